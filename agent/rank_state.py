@@ -19,6 +19,7 @@ import logging
 import pickle
 import random
 import re
+import types
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -102,7 +103,12 @@ def encode(payload: dict[str, Any]) -> memoryview:
 
 
 class RefusedPickleError(ValueError):
-    """Stored bytes asked to run code (or build an object that is not plain data); not loaded."""
+    """Stored bytes asked to run code (or build an object that is not plain data); not loaded.
+    ``reason``: torch's refusal in a sentence (``refusal_reason``)."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def refusal_reason(e: BaseException) -> str:
@@ -136,14 +142,104 @@ def decode(data: bytes | str | BinaryIO, *, mmap: bool = False) -> dict[str, Any
     try:
         obj = torch.load(source, weights_only=True, map_location="cpu", mmap=mmap)
     except pickle.UnpicklingError as e:
+        reason = refusal_reason(e)
         raise RefusedPickleError(
-            f"per-rank state is not plain data, refused without running it: {refusal_reason(e)}"
+            f"per-rank state is not plain data, refused without running it: {reason}", reason
         ) from None
     except (RuntimeError, ValueError, EOFError, KeyError, AttributeError) as e:
         raise RankStateError(f"per-rank state cannot be read: {type(e).__name__}: {e}") from None
     if not isinstance(obj, dict):
         raise RankStateError(f"per-rank state holds a {type(obj).__name__}, expected a dict")
     return obj
+
+
+class _Refused:
+    """The stand-in for a value whose class or function ``weights_only`` loading refuses, built by
+    ``refused_values`` instead of it: nothing of the value's own code runs (``made_by`` names the
+    global that would have built it, ``args`` what it was called with)."""
+
+    made_by = ""
+    args: tuple[Any, ...] = ()
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Refused:  # REDUCE, NEWOBJ
+        made = super().__new__(cls)
+        made.args = args
+        return made
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:  # BUILD
+        pass
+
+    def append(self, item: Any) -> None:  # APPEND(S) of a list subclass
+        pass
+
+    def extend(self, items: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:  # SETITEM(S) of a dict subclass
+        pass
+
+
+def _what(value: _Refused | type[_Refused]) -> str:
+    """What a refused value is, in the words of its class: ``a numpy.ndarray``, ``a __main__.Order``."""
+    if isinstance(value, type):
+        return f"the class {value.made_by}"
+    first = value.args[0] if value.args else None
+    if isinstance(first, type) and issubclass(first, _Refused):
+        return f"a {first.made_by}"  # built by a reconstructor from its class: copyreg's, NumPy's
+    module, _, name = value.made_by.rpartition(".")
+    if module.split(".", 1)[0] == "numpy" and name == "scalar":
+        return "a NumPy scalar"
+    return f"a {value.made_by}"
+
+
+def refused_values(path: str, limit: int = 3) -> list[tuple[tuple[Any, ...], str]]:
+    """Where in the rank file at ``path`` (as keys from its ``objects``: ``("sampler", "order")``)
+    the values are that ``weights_only`` loading refuses, and what each is (``a numpy.ndarray``); at
+    most ``limit`` of them. For the message of a save whose rank file would not load: only then, as
+    ``decode`` cannot say where. The file is read with every refused global (those torch's
+    ``get_unsafe_globals_in_checkpoint`` lists) replaced by a stand-in (``_Refused``), so none of
+    them is imported or run; the rest is what a ``weights_only`` load builds. Empty where it
+    cannot tell."""
+    unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+    stand_ins: dict[str, type[_Refused]] = {}
+
+    class StandIns(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            qualified = f"{module}.{name}"
+            if qualified not in unsafe:
+                return super().find_class(module, name)
+            if qualified not in stand_ins:
+                stand_ins[qualified] = type(name, (_Refused,), {"made_by": qualified})
+            return stand_ins[qualified]
+
+    module = types.ModuleType("pickle")  # torch.load's pickle_module; in no sys.modules
+    module.Unpickler = StandIns  # type: ignore[attr-defined]
+    module.load = pickle.load  # type: ignore[attr-defined]
+    payload = torch.load(path, weights_only=False, pickle_module=module, map_location="cpu", mmap=True)
+    objects = payload.get("objects") if isinstance(payload, dict) else None
+    found: list[tuple[tuple[Any, ...], str]] = []
+    todo: list[tuple[tuple[Any, ...], Any]] = [((), objects)]
+    seen: set[int] = set()
+    while todo and len(found) < limit:
+        where, value = todo.pop()
+        if isinstance(value, _Refused) or (isinstance(value, type) and issubclass(value, _Refused)):
+            found.append((where, _what(value)))
+            continue
+        if id(value) in seen or not isinstance(value, dict | list | tuple | set | frozenset):
+            continue
+        seen.add(id(value))
+        if isinstance(value, dict):
+            items = [((*where, k), v) for k, v in value.items()]
+            items += [(where, k) for k in value if isinstance(k, _Refused)]
+        elif isinstance(value, list | tuple):
+            items = [((*where, i), v) for i, v in enumerate(value)]
+        else:
+            items = [(where, v) for v in value]  # a set's members have no place of their own
+        todo.extend(reversed(items))  # depth first, in order
+    return found
 
 
 PAYLOAD_KEYS = frozenset({"step", "rank", "world_size", "objects", "rng"})

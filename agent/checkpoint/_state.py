@@ -623,8 +623,42 @@ class _State(_Core):
                 rank_state.decode(path, mmap=True)
             except rank_state.RankStateError:  # a filesystem that cannot map files (some FUSE ones)
                 rank_state.decode(path)
+        except rank_state.RefusedPickleError as e:
+            raise SaveFailedError(_refused_in_words(path, e)) from None
         except Exception as e:
             raise SaveFailedError(
                 "the per-rank state cannot be restored: a state_dict() in it holds something that "
-                f"weights_only loading refuses: {e}. Convert it to tensors and plain Python values."
+                f"weights_only loading refuses: {str(e).rstrip('.')}. Convert it to tensors and plain Python values"
             ) from None
+
+
+def _refused_in_words(path: str, e: rank_state.RefusedPickleError) -> str:
+    """Why the rank file at ``path`` would not load, naming where the values are that the load
+    refuses (``state['sampler'].state_dict()['order'] is a numpy.ndarray``): looked for only now,
+    as the decode that refused them cannot say (a walk of every save's objects would cost each one)."""
+    reason = (e.reason or str(e)).rstrip(".")
+    try:
+        found = rank_state.refused_values(path)
+    except Exception:  # then the message without the places (TORCH_FORCE_WEIGHTS_ONLY_LOAD set)
+        found = []
+    fix = (
+        "Hand back tensors and plain Python values from state_dict() instead (a NumPy array: "
+        "torch.from_numpy(a); a NumPy scalar: int(x) or float(x)), or allow the class with "
+        "torch.serialization.add_safe_globals([...]) before save() and restore()"
+    )
+    if not found:
+        return (
+            "the per-rank state cannot be restored: a state_dict() in it holds something that weights_only "
+            f"loading refuses ({reason}). {fix}"
+        )
+    places = [
+        f"state[{where[0]!r}].state_dict(){''.join(f'[{k!r}]' for k in where[1:])} is {what}"
+        if where
+        else f"a state_dict() holds {what}"
+        for where, what in found
+    ]
+    more = f" (and {', '.join(places[1:])})" if len(places) > 1 else ""
+    return (
+        f"the per-rank state cannot be restored: {places[0]}{more}, which weights_only loading (as restore "
+        f"loads it) refuses ({reason}). {fix}"
+    )

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from agent import ResumableLoader
-from agent.checkpoint import Checkpointer, RestoreRefusedError
+from agent.checkpoint import Checkpointer, RestoreRefusedError, SaveFailedError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 import ckpt_harness as harness
@@ -401,6 +401,41 @@ def test_extra_state_a_restore_could_not_load_is_refused_when_saved(tmp_path: Pa
     ):
         ckpt.save(1, {"model": model})
     assert not list(Path(uri).glob("step-*"))
+
+
+class Sampler:
+    """A per-rank object whose state holds NumPy values (its order, a seed), which a restore's
+    ``weights_only`` load refuses, beside plain ones."""
+
+    def __init__(self, order: Any) -> None:
+        self.order = order
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"pos": 3, "order": self.order, "seeds": [7, self.order[0]]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.order = state["order"]
+
+
+def test_a_per_rank_value_a_restore_could_not_load_fails_the_save_naming_where_it_is_and_the_remedy(
+    tmp_path: Path,
+) -> None:
+    """Fails without the fix: the SaveFailedError named neither the state key nor the value ("a
+    state_dict() in it holds something that weights_only loading refuses: ... by default..
+    Convert it"), nor torch.from_numpy. A plain order saves."""
+    import numpy as np
+
+    uri = str(tmp_path / "ckpt")
+    with Checkpointer(uri, async_save=False, staging_dir=str(tmp_path / "staging")) as ckpt:
+        with pytest.raises(SaveFailedError) as refused:
+            ckpt.save(1, {**make_state(0), "sampler": Sampler(np.arange(4))})
+        said = str(refused.value)
+        assert "rank 0: the per-rank state cannot be restored: state['sampler'].state_dict()['order'] is a " in said
+        assert "is a numpy.ndarray (and state['sampler'].state_dict()['seeds'][1] is a NumPy scalar), " in said
+        assert "torch.from_numpy(a)" in said and "int(x)" in said and "default.." not in said, said
+        assert not list(Path(uri).glob("step-*"))
+        ckpt.save(2, {**make_state(0), "sampler": Sampler(torch.arange(4))})
+    assert [p.name for p in Path(uri).glob("step-*")] == ["step-000000002"]
 
 
 def test_a_renamed_layer_is_refused_naming_the_tensors_on_both_sides(tmp_path: Path) -> None:
