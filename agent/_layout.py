@@ -20,6 +20,10 @@ from agent.storage.base import DamagedObjectError, ObjectInfo, Storage, TooLarge
 CONTROL_FOLDER = ".spotjob"
 """spotjob's own records under a URI (owner, attempts, pins, retired, probes): never listed as a checkpoint."""
 
+STAGING_FOLDER = ".spotjob-staging"
+"""Where a filesystem URI's saves are staged by default (``agent.restore_cache.default_staging``):
+every ``step-*`` folder there is taken for an interrupted save's leftover and removed."""
+
 PROBES_FOLDER = f"{CONTROL_FOLDER}/probes"
 """Where a writer's short-lived probe objects go (``Storage.check_create_only``), deleted at once."""
 
@@ -96,8 +100,41 @@ def checkpoint_uris_below(storage: Storage, dirs: list[str] | None = None) -> li
 
 
 class MisplacedUriError(ValueError):
-    """A URI that holds no checkpoint folders is not one a job saves to: a checkpoint's own
-    folder, or a folder above job URIs (``misplaced_uri_problem``)."""
+    """A URI that is not one a job saves to: one that holds no checkpoint folders and is a
+    checkpoint's own folder or a folder above job URIs, or any folder in a job URI's ``.spotjob``
+    or ``.spotjob-staging`` (``misplaced_uri_problem``, ``reserved_uri_problem``)."""
+
+
+def reserved_uri_problem(uri: str) -> str | None:
+    """Why ``uri`` (a URI or a path), which lies in a job URI's own ``.spotjob`` or
+    ``.spotjob-staging`` folder, is not one a job saves to, or None. No request: told by its name.
+
+    A job there saved its checkpoints where the other job deleted them without a word (every
+    ``step-*`` folder of the staging folder is an interrupted save's leftover to the job whose
+    staging it is, removed as its next Checkpointer is built), or wrote its records among the other
+    job's."""
+    scheme, sep, rest = uri.partition("://")
+    head, parts = (f"{scheme}{sep}", rest.rstrip("/").split("/")) if sep else ("", uri.rstrip("/").split("/"))
+    for i, name in enumerate(parts):
+        if name not in (CONTROL_FOLDER, STAGING_FOLDER) or (i == 0 and sep and scheme != "file"):
+            continue  # a bucket's name is no job's folder
+        job = head + "/".join(parts[:i]) or "."
+        folder = head + "/".join(parts[: i + 1])
+        if name == STAGING_FOLDER:
+            kind = "the staging folder"
+            what = (
+                "that job's next Checkpointer removes every step-* folder in it as an interrupted save's "
+                "leftover (a job saving here would lose its checkpoints without a word)"
+            )
+        else:
+            kind = "the records folder"
+            what = "it holds spotjob's own records of that job (owner, attempts, pins), never a job's checkpoints"
+        where = "is" if i == len(parts) - 1 else f"lies in {folder},"
+        return (
+            f"{uri} {where} {kind} of the job URI {job}: {what}. Give a job a folder of its own outside "
+            f"{folder}: the URI {job} itself to resume that job, or a new folder beside {job}"
+        )
+    return None
 
 
 def misplaced_uri_problem(storage: Storage, dirs: list[str] | None = None) -> str | None:
@@ -107,8 +144,12 @@ def misplaced_uri_problem(storage: Storage, dirs: list[str] | None = None) -> st
     the folder a log line or ``spotjob ckpt show`` printed, pasted as the URI) or a folder whose
     subfolders hold checkpoints (the parent of the job's URI): a Checkpointer there started from
     step 0 without a word, and one in a checkpoint's folder wrote into it, where the job's
-    retention later deleted what it saved. Costs two stats and a listing (none when ``dirs``, the
-    URI's folders, are given), and a listing for each subfolder (at most ``SUBFOLDERS_LOOKED_AT``)."""
+    retention later deleted what it saved. Also a folder in a job URI's ``.spotjob`` or
+    ``.spotjob-staging`` (``reserved_uri_problem``). Costs two stats and a listing (none when ``dirs``,
+    the URI's folders, are given), and a listing for each subfolder (at most ``SUBFOLDERS_LOOKED_AT``)."""
+    reserved = reserved_uri_problem(storage.uri)
+    if reserved is not None:
+        return reserved
     parent, _, leaf = storage.uri.rstrip("/").rpartition("/")
     if CheckpointRef.parse(leaf) is not None:
         return (

@@ -60,6 +60,7 @@ from agent._layout import (
     misplaced_uri_problem,
     read_bounded,
     read_manifest,
+    reserved_uri_problem,
 )
 from agent.manifest import MANIFEST_NAME, ManifestError, UntrustedJSONError, loads_bounded, now_utc
 from agent.storage.base import AlreadyExistsError, NotFoundError, Storage, TransientStorageError
@@ -361,8 +362,12 @@ def claim(storage: Storage, job: str | None) -> Owner:
     those are that job's.
     Raises ``OwnershipError`` (another owner, or an unreadable record), ``MisplacedUriError`` (an
     unclaimed URI without checkpoints that is a checkpoint's own folder, or holds a job's URI) or
-    ``StorageError``.
+    ``StorageError``. A URI in another job URI's ``.spotjob`` or ``.spotjob-staging`` is refused
+    whatever it holds (``MisplacedUriError``, no request): that job deletes what is saved there.
     """
+    reserved = reserved_uri_problem(storage.uri)
+    if reserved is not None:
+        raise MisplacedUriError(reserved)
     owner = read_owner(storage)
     if owner is None:
         dirs = storage.list_dirs("")  # one listing for both looks below

@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable
 
 from agent import _fresh_start
+from agent._layout import STAGING_FOLDER
 from agent.atomic_file import write_atomic
 from agent.catalog import CheckpointRef, find_checkpoints, inspect
 from agent.crc32c import crc32c_bytes, crc32c_file_parallel, from_hex, to_hex
@@ -97,7 +98,7 @@ def default_staging(storage: Storage, job: str | None) -> str:
     """
     local = storage.local_path("")
     if local is not None:
-        return os.path.join(local, ".spotjob-staging")
+        return os.path.join(local, STAGING_FOLDER)
     return os.path.join(private_temp_folder(), _job_folder(storage, job))
 
 

@@ -41,6 +41,7 @@ from orchestrator.ckpt_select import (
     _require_state_key,
     opened_storage,
     refuse_a_misplaced_uri,
+    refuse_a_reserved_uri,
     select_checkpoint,
 )
 
@@ -211,6 +212,9 @@ def cmd_adopt(args: argparse.Namespace) -> int:
         # An owner no Checkpointer can run as (they refuse such names): every writer would stop.
         raise CommandError(f"--job: {problem}")
     with opened_storage(args.uri) as storage:
+        # An owner record in another job URI's staging or records folder would make a job of what
+        # that job deletes: refused whatever it holds.
+        refuse_a_reserved_uri(storage, command="adopt")
         if not find_checkpoints(storage):
             # An owner record written in a checkpoint's folder would change a committed checkpoint,
             # and one above the job's URI would judge nothing: neither is what was meant.

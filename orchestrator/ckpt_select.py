@@ -14,6 +14,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from agent._layout import reserved_uri_problem
 from agent.catalog import (
     CheckpointRef,
     CheckpointStatus,
@@ -65,10 +66,21 @@ def _require_checkpoints(storage: Storage) -> list[CheckpointRef]:
     return refs
 
 
+def refuse_a_reserved_uri(storage: Storage, *, command: str = "") -> None:
+    """``CommandError`` when ``storage``'s URI lies in a job URI's ``.spotjob`` or
+    ``.spotjob-staging`` (``agent._layout.reserved_uri_problem``): never a job's URI, whatever it
+    holds. ``command``: as ``refuse_a_misplaced_uri``'s."""
+    problem = reserved_uri_problem(storage.uri)
+    if problem is not None:
+        raise CommandError(f"{problem}{'; nothing was changed' if command else ''}")
+
+
 def refuse_a_misplaced_uri(storage: Storage, *, command: str = "") -> None:
     """``CommandError`` when ``storage``'s URI, which holds no checkpoints, is not the one a job saves
     to but a checkpoint's own folder or a folder above the job's URIs. ``command``: the command that
-    takes no ``--step`` (``adopt``), whose answer is then the URI alone."""
+    takes no ``--step`` (``adopt``), whose answer is then the URI alone. A URI in a job URI's
+    ``.spotjob`` or ``.spotjob-staging`` is refused too (``refuse_a_reserved_uri``)."""
+    refuse_a_reserved_uri(storage, command=command)
     parent, _, leaf = storage.uri.rstrip("/").rpartition("/")
     if CheckpointRef.parse(leaf) is not None and parent.partition("://")[2]:
         # What show prints ("checkpoint: s3://b/run/step-000000100") pasted back as the URI.

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
+from agent._layout import reserved_uri_problem
 from agent.storage import parse_uri
 from agent.torchrun import Launcher
 from orchestrator.backends.local_cloud import CLOUDS
@@ -259,6 +260,9 @@ def checkpoint_uri_problem(uri: str) -> str | None:
         scheme, _, path = parse_uri(uri)
     except ValueError as e:
         return f"--checkpoint-uri: {e}"
+    reserved = reserved_uri_problem(uri if scheme != "file" else os.path.abspath(path))
+    if reserved is not None:
+        return f"--checkpoint-uri {reserved}"
     if scheme != "file":
         return None
     folder = os.path.abspath(path)

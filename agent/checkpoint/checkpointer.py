@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from agent._dcp_plan import SavePlanCache
 from agent._direct_io import suits_direct_io
-from agent._layout import PROBES_FOLDER, MisplacedUriError
+from agent._layout import PROBES_FOLDER, MisplacedUriError, reserved_uri_problem
 from agent.checkpoint._restore import _Restoring
 from agent.checkpoint._save import _Save, _Saving
 from agent.checkpoint.config import CheckpointConfig, _check_metadata, _check_step, normalise_uri, switch
@@ -591,6 +591,10 @@ class Checkpointer(_Saving, _Restoring):
         if self.rank == 0:
             doing = "checking that the store refuses to overwrite on create-only writes"
             try:
+                # Told by its name, before the probe below writes into another job's folder.
+                reserved = reserved_uri_problem(self.storage.uri)
+                if reserved is not None:
+                    raise MisplacedUriError(reserved)
                 # Rank 0 makes every create-only write (the claim, the commits): prove the store
                 # enforces them before the first, not after hours of training.
                 self.storage.check_create_only(PROBES_FOLDER)

@@ -76,3 +76,54 @@ def test_a_checkpoints_own_folder_or_the_folder_above_the_jobs_uri_is_refused_an
     # The job's own URI, and a new one beside it, are a URI like any other.
     assert _open_and_restore(job_uri, state, read_only=False) == 2
     assert _open_and_restore(f"{storage_uri}/new", state, read_only=False) == 0
+
+
+def test_a_uri_in_a_jobs_staging_or_records_folder_is_refused_and_nothing_is_written(
+    storage_uri: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A job given ``<uri>/.spotjob-staging`` (or a folder in it) as its URI was accepted and
+    committed its checkpoints there; the next Checkpointer built on ``<uri>`` removed every
+    ``step-*`` folder of its staging folder as an interrupted save's leftover, and the inner job's
+    restore() then returned 0 without a word. ``<uri>/.spotjob`` (the job's records) was accepted
+    too. Found walking the Checkpointer as a user. Now each is refused by its name on every store,
+    by a writer, by a reader's restore, by ``spotjob ckpt adopt`` and by ``spotjob run
+    --checkpoint-uri``, naming the folder, the job URI it belongs to and what to give instead."""
+    from orchestrator.cli import main
+    from orchestrator.run_config import checkpoint_uri_problem
+
+    torch.manual_seed(0)
+    state = {"model": nn.Linear(3, 2)}
+    job_uri = f"{storage_uri}/run"
+    with Checkpointer(job_uri, async_save=False) as ckpt:
+        ckpt.save(1, state)
+    storage = open_storage(job_uri)
+    job = storage.uri  # as the messages write it (file:///... for a path)
+    storage.close()
+    before = store_listing(storage_uri)
+    cases = [
+        (f"{job_uri}/.spotjob-staging", f"is the staging folder of the job URI {job}: that job's next Checkpointer"),
+        (
+            f"{job_uri}/.spotjob-staging/other",
+            f"lies in {job}/.spotjob-staging, the staging folder of the job URI {job}:",
+        ),
+        (f"{job_uri}/.spotjob", f"is the records folder of the job URI {job}:"),
+        (f"{job_uri}/.spotjob/owner", f"lies in {job}/.spotjob, the records folder of the job URI {job}:"),
+    ]
+    for uri, said in cases:
+        for read_only in (False, True):
+            with pytest.raises(CheckpointUriError) as refused:
+                _open_and_restore(uri, state, read_only=read_only)
+            assert said in str(refused.value), (uri, read_only, refused.value)
+            assert f"the URI {job} itself to resume that job, or a new folder beside {job}" in str(refused.value)
+        assert main(["ckpt", "adopt", uri, "--job", "other"]) != 0
+        out, err = capsys.readouterr()
+        # (A folder that is not there on a filesystem is refused as one first.)
+        missing = f"{uri}: no such folder" in err
+        assert missing or (said in err and "nothing was changed" in err), (uri, out, err)
+        problem = checkpoint_uri_problem(uri)  # a path is written as one there, not as file://
+        kind = "staging folder" if "staging" in said else "records folder"
+        assert problem is not None and f"the {kind} of the job URI" in problem, (uri, problem)
+    assert store_listing(storage_uri) == before
+
+    # The job's checkpoint is still there, and its URI is one like any other.
+    assert _open_and_restore(job_uri, state, read_only=False) == 1
