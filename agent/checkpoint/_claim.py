@@ -65,6 +65,10 @@ _live: set[str] = set()
 """The claims of this process's saves still in flight (a second Checkpointer on the URI here)."""
 _live_lock = threading.Lock()
 
+_open: set[str] = set()
+"""The ids of this process's Checkpointers not closed yet (``Claim.checkpointer``): a folder one of
+them committed is another live writer's to the others."""
+
 
 def _started(pid: int) -> str:
     """The start time of process ``pid`` (``agent.process_tree.read_proc``'s ticks since boot), ""
@@ -73,9 +77,11 @@ def _started(pid: int) -> str:
     return str(info.start_ticks) if info is not None else ""
 
 
-def new_id() -> str:
-    """A fresh claim id, one that says its writer renews the claim while its save is in flight."""
-    return RENEWED_PREFIX + uuid.uuid4().hex
+def new_id(checkpointer: str = "") -> str:
+    """A fresh claim id, one that says its writer renews the claim while its save is in flight, and
+    names the Checkpointer that writes it (``Claim.checkpointer``) when ``checkpointer`` is given:
+    in the id, not in a field of its own, which the spotjob of 2026-12-05 takes for no claim."""
+    return RENEWED_PREFIX + (f"{checkpointer}." if checkpointer else "") + uuid.uuid4().hex
 
 
 def _machine() -> str:
@@ -127,6 +133,15 @@ class Claim:
         return f"{describe_job(self.job)} (attempt {attempt}) on host {self.host!r}, pid {self.pid}"
 
     @property
+    def checkpointer(self) -> str:
+        """The id of the Checkpointer that wrote it, from its id (``new_id``; "" in a claim from
+        before 2026-12-07): tells two Checkpointers of one process apart."""
+        if not self.renewed:
+            return ""
+        name, dot, _ = self.id[len(RENEWED_PREFIX) :].partition(".")
+        return name if dot else ""
+
+    @property
     def renewed(self) -> bool:
         """Its writer rewrites it while its save is in flight (``Renewal``)."""
         return isinstance(self.id, str) and self.id.startswith(RENEWED_PREFIX)
@@ -148,6 +163,19 @@ class Claim:
             and self.pid == os.getpid()
             and (self.started == _started(self.pid))
         )
+
+    def of_another_open_checkpointer(self, me: str) -> bool:
+        """Written by another Checkpointer of this very process than ``me`` (its id), one not closed yet."""
+        if not self.checkpointer or self.checkpointer == me or not self.this_process():
+            return False
+        with _live_lock:
+            return self.checkpointer in _open
+
+    def describe_to(self, me: str) -> str:
+        """``describe()``, saying so when it is another Checkpointer of this process than ``me``."""
+        if self.this_process() and self.checkpointer != me:
+            return f"{self.describe()}: another Checkpointer of this process"
+        return self.describe()
 
     def writer_alive(self, attempt: int | None, age: float | None = None) -> bool:
         """Whether its writer may still be saving into the folder (asked by a writer of ``attempt``).
@@ -279,6 +307,18 @@ class Renewal:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
+
+
+def opened(checkpointer: str) -> None:
+    """A Checkpointer of this process with id ``checkpointer`` was built."""
+    with _live_lock:
+        _open.add(checkpointer)
+
+
+def closed(checkpointer: str) -> None:
+    """The Checkpointer with id ``checkpointer`` was closed (or collected unclosed)."""
+    with _live_lock:
+        _open.discard(checkpointer)
 
 
 def hold(claim_id: str) -> None:

@@ -253,6 +253,24 @@ def _run_into(future: Future[T], fn: Callable[..., T], *args: Any) -> None:
         future.set_exception(e)
 
 
+_STOP_ONE = (
+    "the same script started twice, or a stale copy that no attempt number fences (spotjob-agent --attempt, "
+    "set by the controller). Stop one; a job of its own needs a URI of its own"
+)
+
+
+def _two_writers(claim: _claim.Claim | None, me: str, remedy: str) -> str:
+    """Who the two writers of the URI are: two Checkpointers of this process when ``claim`` (the
+    other writer's, None when unknown) is this process's and not the Checkpointer ``me``'s; else two
+    processes, with ``remedy``."""
+    if claim is not None and claim.this_process() and claim.checkpointer != me:
+        return (
+            "Two Checkpointers of this process are saving to this URI: use one Checkpointer per URI in a "
+            "process (close() the old one before building another on the same URI)"
+        )
+    return f"Two processes are saving to this URI: {remedy}"
+
+
 class _Saving(_Voting):
     """One save at a time: started by ``step()``/``save()``/a flush, finished in the background."""
 
@@ -262,6 +280,9 @@ class _Saving(_Voting):
     _direct_io: bool
     _plan_cache: SavePlanCache
     _tensor_index: TensorIndexCache
+    _checkpointer_id: str = ""
+    """This Checkpointer's id, written in its claims (``_claim.Claim.checkpointer``): a step
+    another Checkpointer of this process, not closed yet, committed is not this one's to save again."""
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is committed; raise if it failed."""
@@ -623,7 +644,7 @@ class _Saving(_Voting):
         naming: Future[str] | None = None
         if self.rank == 0:
             naming = Future()
-            save.claim_id = _claim.new_id()
+            save.claim_id = _claim.new_id(self._checkpointer_id)
             _claim.hold(save.claim_id)  # released when the save is done (``_finish_save``)
             save.renewal = _claim.Renewal(self.storage)
             try:
@@ -819,6 +840,13 @@ class _Saving(_Voting):
             if ref.step != step:
                 continue
             if self.storage.stat(ref.key(MANIFEST_NAME)) is not None:
+                if ref.folder not in self._own_folders:
+                    # Another Checkpointer of this process (not closed) committed the step: saving
+                    # it again beside it (step-N.1) committed a second copy of the step, and
+                    # retention then removed the first one's as an older copy, without a word.
+                    other = _claim.read_claim(self.storage, ref.folder)
+                    if other is not None and other.of_another_open_checkpointer(self._checkpointer_id):
+                        raise SaveFailedError(self._committed_by_another(ref.folder))
                 suffix = max(suffix, ref.attempt + 1)
                 committed.add(ref.folder)
                 continue
@@ -840,11 +868,11 @@ class _Saving(_Voting):
             # machine): a folder retention would remove is reused, not saved beside.
             if _claim.writer_alive_in(claim, written, self.config.attempt, store_now):
                 log.warning(
-                    "saving step %d next to %s: %s may still be saving into it. Two processes are saving to "
-                    "this URI: stop one",
+                    "saving step %d next to %s: %s may still be saving into it. %s",
                     step,
                     self.storage.url(ref.folder),
-                    claim.describe(),
+                    claim.describe_to(self._checkpointer_id),
+                    _two_writers(claim, self._checkpointer_id, "stop one"),
                 )
                 suffix = max(suffix, ref.attempt + 1)
                 continue
@@ -957,12 +985,10 @@ class _Saving(_Voting):
                 raise SaveFailedError(self._committed_by_another(ref.folder))
         claim = _claim.read_claim(self.storage, folder)
         if claim is None or claim.id != save.claim_id:
-            who = claim.describe() if claim is not None else "another process saving to this URI"
+            who = claim.describe_to(self._checkpointer_id) if claim is not None else "another writer of this URI"
             raise SaveFailedError(
                 f"the files of this save in {self.storage.url(folder)} were removed while it wrote them, by "
-                f"{who}; nothing is committed. Two processes are saving to this URI: the same script "
-                "started twice, or a stale copy that no attempt number fences (spotjob-agent --attempt, set "
-                "by the controller). Stop one; a job of its own needs a URI of its own"
+                f"{who}; nothing is committed. {_two_writers(claim, self._checkpointer_id, _STOP_ONE)}"
             )
 
     def _committed_by_another(self, folder: str) -> str:
@@ -976,11 +1002,15 @@ class _Saving(_Voting):
             who = f"{describe_job(other.job)} (attempt {attempt}, committed at {other.created_at.isoformat()})"
         except Exception as e:  # the message must not fail: say what is known
             who = f"another writer (its manifest could not be read: {type(e).__name__})"
+        try:
+            claim = _claim.read_claim(self.storage, folder)
+        except Exception:  # as above
+            claim = None
+        if claim is not None and claim.this_process() and claim.checkpointer != self._checkpointer_id:
+            who += f", another Checkpointer of this process (pid {claim.pid})"
         return (
-            f"{self.storage.url(folder)} was committed meanwhile by {who}; this save is {me}. Two processes "
-            "are saving to this URI: the same script started twice, or a stale copy that no attempt number "
-            "fences (spotjob-agent --attempt, set by the controller). Stop one; a job of its own needs a URI "
-            "of its own"
+            f"{self.storage.url(folder)} was committed meanwhile by {who}; this save is {me}. "
+            f"{_two_writers(claim, self._checkpointer_id, _STOP_ONE)}"
         )
 
     def _failed_save_here(self) -> int | None:

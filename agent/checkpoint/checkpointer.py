@@ -10,6 +10,8 @@ import dataclasses
 import logging
 import os
 import sys
+import uuid
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,6 +21,7 @@ import torch.distributed as dist
 from agent._dcp_plan import SavePlanCache
 from agent._direct_io import suits_direct_io
 from agent._layout import PROBES_FOLDER, MisplacedUriError, reserved_uri_problem
+from agent.checkpoint import _claim
 from agent.checkpoint._restore import _Restoring
 from agent.checkpoint._save import _Save, _Saving
 from agent.checkpoint.config import CheckpointConfig, _check_metadata, _check_step, normalise_uri, switch
@@ -283,6 +286,10 @@ class Checkpointer(_Saving, _Restoring):
         self._swept_through = None
         self._refusals_said = set()
         self._own_folders = set()
+        self._checkpointer_id = uuid.uuid4().hex
+        _claim.opened(self._checkpointer_id)
+        # One never closed stops counting as open once it is collected.
+        weakref.finalize(self, _claim.closed, self._checkpointer_id)
         self._seen_uncommitted = set()
         self._writers_of = {}
         self._written = {}
@@ -433,6 +440,7 @@ class Checkpointer(_Saving, _Restoring):
         """(close) Mark this rank closed for the agent, then let go of what the Checkpointer holds."""
         self._drain_votes()
         self._closed = True
+        _claim.closed(self._checkpointer_id)
         # "closed" tells the agent this rank finished its work, so an abort at interpreter exit
         # is not a failure. Not while an exception propagates (close() in a finally or a with
         # block during a crash): that must stay a failure.

@@ -69,7 +69,8 @@ def test_the_loser_of_a_step_never_overwrites_the_winners_committed_files(storag
     with pytest.raises(SaveFailedError) as failed:
         one.save(1, ours)
     message = str(failed.value)
-    assert "was committed meanwhile by job 'train' (attempt none" in message and "Stop one" in message, message
+    assert "was committed meanwhile by job 'train' (attempt none" in message, message
+    assert "Two Checkpointers of this process are saving to this URI" in message, message
     one.close()
     two.close()
     found = committed_and_whole(storage_uri)
@@ -78,6 +79,40 @@ def test_the_loser_of_a_step_never_overwrites_the_winners_committed_files(storag
         restored = make_state(0, seed=5)
         assert reader.restore(restored) == 1
     assert_same(snapshot(restored), snapshot(theirs))
+
+
+def test_a_second_checkpointer_saving_a_step_the_first_committed_fails_and_the_first_copy_stays(
+    storage_uri: str,
+) -> None:
+    """Two Checkpointers on one URI in one process (one per epoch, the old one never closed): the
+    first commits step 5, then the second saves step 5. It committed step-5.1 without a word, and its
+    retention removed the first's step-5 as an older copy of the step. Found walking the Checkpointer
+    as a user. Now the second fails before writing anything, naming both writers as two
+    Checkpointers of this process; the first's checkpoint stays whole. Once the first is closed, a
+    new Checkpointer saving the step again (a restarted loop) goes beside it as before."""
+    first, second = make_state(0), make_state(0, seed=7)
+    train(first, 1)
+    train(second, 3)
+    one = Checkpointer(storage_uri, keep=3, job="train", async_save=False)
+    two = Checkpointer(storage_uri, keep=3, job="train", async_save=False)
+    one.save(5, first)
+    with pytest.raises(SaveFailedError) as failed:
+        two.save(5, second)
+    message = str(failed.value)
+    assert "step-000000005 was committed meanwhile by job 'train' (attempt none, committed at " in message, message
+    assert "another Checkpointer of this process" in message and "this save is job 'train' (attempt none)" in message
+    assert "Two Checkpointers of this process are saving to this URI" in message, message
+    two.close()
+    found = committed_and_whole(storage_uri)
+    assert found == {"step-000000005": []}, found
+    one.close()
+    with Checkpointer(storage_uri, job="train") as reader:
+        restored = make_state(0, seed=5)
+        assert reader.restore(restored) == 5
+        assert_same(snapshot(restored), snapshot(first))
+        reader.save(5, second)
+    found = committed_and_whole(storage_uri)
+    assert found == {"step-000000005.1": []}, found
 
 
 def test_one_writers_retention_leaves_the_other_writers_save_in_flight(storage_uri: str) -> None:
