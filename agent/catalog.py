@@ -54,6 +54,7 @@ from agent._layout import (
     find_checkpoints,
     folder_name,
     read_manifest,
+    reserved_uri_problem,
 )
 from agent.crc32c import from_hex
 from agent.manifest import (
@@ -90,6 +91,7 @@ __all__ = [
     "latest_valid",
     "list_checkpoints",
     "read_manifest",
+    "reserved_uri_problem",
     "uncommitted_older_than",
     "verify_deep",
 ]

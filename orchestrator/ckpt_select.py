@@ -14,7 +14,6 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from agent._layout import reserved_uri_problem
 from agent.catalog import (
     CheckpointRef,
     CheckpointStatus,
@@ -22,6 +21,7 @@ from agent.catalog import (
     checkpoint_uris_below,
     find_checkpoints,
     inspect,
+    reserved_uri_problem,
 )
 from agent.manifest import MANIFEST_NAME, Manifest
 from agent.storage import StorageError, open_storage

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
-from agent._layout import reserved_uri_problem
+from agent.catalog import reserved_uri_problem
 from agent.storage import parse_uri
 from agent.torchrun import Launcher
 from orchestrator.backends.local_cloud import CLOUDS
