@@ -41,6 +41,7 @@ from local_run_support import (
     TRAIN,
     assert_same_final_state,
     clean_env,
+    flip_byte_in_place,
     job_document,
     process_states,
     tool,
@@ -192,13 +193,7 @@ def test_a_resume_whose_newest_checkpoint_has_a_damaged_byte_warns_and_names_the
     storage = open_storage(str(run / "checkpoints"))
     newest, before = [c.ref for c in list_checkpoints(storage) if c.valid][:2]
     shard = run / "checkpoints" / newest.folder / "__0_0.distcp"
-    size = shard.stat().st_size
-    with open(shard, "r+b") as f:
-        f.seek(size // 2)
-        byte = f.read(1)
-        f.seek(size // 2)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    assert shard.stat().st_size == size
+    flip_byte_in_place(shard)
 
     resumed = spotjob("run", "--no-live", "--resume", "byte", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-6000:]

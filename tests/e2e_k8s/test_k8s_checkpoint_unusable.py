@@ -25,6 +25,7 @@ from e2e_support import (
     wait,
     wait_phase,
 )
+from local_run_support import flip_byte_in_place
 
 from agent.catalog import list_checkpoints
 from agent.storage import open_storage
@@ -69,13 +70,7 @@ def test_a_flushed_checkpoint_damaged_in_place_before_the_next_attempt_restores_
     assert damaged.manifest is not None
     assert before_damage["attempt"]["resumedFromStep"] == newest.step, (before_damage["attempt"], newest)
     shard = Path(uri) / newest.folder / "__0_0.distcp"
-    size = shard.stat().st_size
-    with open(shard, "r+b") as f:
-        f.seek(size // 2)
-        byte = f.read(1)
-        f.seek(size // 2)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    assert shard.stat().st_size == size
+    flip_byte_in_place(shard)
     lost_before = before_damage.get("lostSteps", 0)
     cluster.add_node(f"{namespace}-b", zone="us-east-1b")
 

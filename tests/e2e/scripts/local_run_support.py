@@ -113,6 +113,17 @@ GIVE_UP_S = 240.0
 """How long ``wait_for`` waits for something to happen before calling the run hung (never asserted on)."""
 
 
+def flip_byte_in_place(path: Path) -> None:
+    """Invert one byte in the middle of ``path``, its size unchanged: damage only a CRC32C finds."""
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        byte = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert path.stat().st_size == size
+
+
 def wait_for(predicate: Callable[[], bool], what: str) -> None:
     give_up = time.monotonic() + GIVE_UP_S
     while not predicate():
