@@ -646,8 +646,14 @@ class Reconciler(_Capacity):
         ):
             status.unusable_checkpoint = None  # a newer one committed, or it is gone: nothing to pass over
             return
-        # Older ones the ranks passed over too (each damaged alike) down to the one they restored.
-        while p.checkpoint is not None and p.checkpoint.ref.step > unusable.restored_step:
+        # Older ones the ranks passed over too (each damaged alike) down to the one they restored; not
+        # one committed after the damaged one was (the attempt trains on from the step restored and
+        # saves below it: those are its progress, which a flush's commit and the next attempt need).
+        while (
+            p.checkpoint is not None
+            and p.checkpoint.ref.step > unusable.restored_step
+            and (p.checkpoint.manifest is None or p.checkpoint.manifest.created_at <= unusable.time)
+        ):
             p.checkpoint = latest_valid(
                 storage, before=p.checkpoint.ref, on_skip=lambda skipped: self._note_skipped(p, storage, skipped)
             )

@@ -224,6 +224,37 @@ def test_a_checkpoint_the_ranks_pass_over_as_they_restore_is_warned_about_and_pa
     assert status.unusable_checkpoint is None
 
 
+def test_a_checkpoint_committed_after_the_restore_below_the_damaged_one_is_not_passed_over(tmp_path: Any) -> None:
+    """Steps 40 and 50, 50 damaged: the ranks restore 40 and train on. Their saves at 45 and a
+    flush at 47 lie below the damaged step, and the pass went back past every checkpoint above
+    the step restored: lastCheckpoint stayed at 40, the flush at 47 ended as WorkersExited
+    ("nothing newer than step 40"), and the next attempt resumed from 40, fencing 47. Found in
+    review. Only checkpoints committed before the damaged one was recorded are passed over."""
+    w = make_world(tmp_path)
+    commit_checkpoint(w.storage, 40, w.clock.now())
+    commit_checkpoint(w.storage, 50, w.clock.now())
+    w.reconcile()
+    why = f"{w.storage.url(folder_name(50))}: corrupt on rank 0: {rank_file_name(0)} has CRC32C 1; the manifest says 2"
+    for name in ("train-0-0", "train-0-1"):
+        w.backend.restores[name] = (40, why)
+    w.run_until(running_attempt(0))
+    w.run_to(w.clock.at() + 30)
+    assert w.status.unusable_checkpoint is not None and w.status.last_checkpoint is not None
+    assert w.status.last_checkpoint.step == 40
+
+    w.clock.advance(5)
+    commit_checkpoint(w.storage, 45, w.clock.now())  # the attempt trains on from 40 and saves
+    status = w.run_to(w.clock.at() + 10)
+    assert status.last_checkpoint is not None and status.last_checkpoint.step == 45, status.last_checkpoint
+    assert status.unusable_checkpoint is not None, "50 is still storage's newest, and still damaged"
+
+    w.backend.exit(0, 0, 1)
+    status = w.run_until(running_attempt(1))
+    started = [e.message for e in w.events.emitted if e.reason == "WorkersStarted"]
+    assert "attempt 1 from step 45" in started[-1], started
+    assert status.attempt.resumed_from_step == 45
+
+
 def test_a_checkpoint_uri_above_other_jobs_checkpoints_fails_the_job_naming_them(tmp_path: Any) -> None:
     """The workers' Checkpointers refuse such a URI (CheckpointUriError): the job fails at its first
     pass with InvalidCheckpointURI, naming the folder that holds checkpoints, and starts nothing."""
