@@ -899,23 +899,26 @@ _PSS_SET = ("allowPrivilegeEscalation != false", "unrestricted capabilities", "r
 _PSS_REMOVE = {
     "host namespaces": "hostNetwork, hostPID or hostIPC (whichever it names)",
     "hostPort": "the containers' hostPort",
-    "hostPath volumes": "the hostPath volumes it names",
-    "restricted volume types": "the volumes it names (or use a type the standard allows: configMap, csi, "
+    "hostPath volume": "the hostPath volumes it names",
+    "restricted volume type": "the volumes it names (or use a type the standard allows: configMap, csi, "
     "downwardAPI, emptyDir, ephemeral, persistentVolumeClaim, projected, secret)",
     "privileged": "securityContext.privileged: true",
     "hostProcess": "securityContext.windowsOptions.hostProcess",
     "runAsUser=0": "runAsUser: 0",
     "seLinuxOptions": "the seLinuxOptions it names",
     "procMount": "securityContext.procMount",
-    "forbidden sysctls": "the sysctls it names",
+    "forbidden sysctl": "the sysctls it names",
     "forbidden AppArmor profile": "the Unconfined AppArmor profile",
+    "non-default capabilities": "the capabilities it adds (capabilities.add) beyond the default set",
 }
+"""Controls by the name a refusal gives them, in the singular: the API server names some in the
+plural when several values break them ("hostPorts", "forbidden AppArmor profiles")."""
 
 
 def _pss_controls(said: str) -> list[str]:
     """The controls a Pod Security refusal names."""
     listed = said.split(POD_SECURITY_REFUSAL, 1)[1]
-    return [c for c in (*_PSS_SET, *_PSS_REMOVE) if re.search(rf'(?:": |\), ){re.escape(c)} \(', listed)]
+    return [c for c in (*_PSS_SET, *_PSS_REMOVE) if re.search(rf'(?:": |\), ){re.escape(c)}s? \(', listed)]
 
 
 def _refusal_hint(error: KubeError, *, fallback: bool = False) -> str:

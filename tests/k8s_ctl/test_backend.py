@@ -1082,3 +1082,27 @@ def test_a_relative_checkpoint_path_is_refused_on_kubernetes_naming_the_field(wo
     assert "file:///" in problem and "s3://" in problem, problem
     assert world.backend.spec_problems(KEY, spec(checkpoint={"uri": "/shared/ckpt/run"})) == []
     assert world.backend.spec_problems(KEY, spec(checkpoint={"uri": "file:///shared/ckpt/run"})) == []
+
+
+def test_the_pod_security_controls_a_refusal_names_are_told_in_the_singular_and_the_plural() -> None:
+    """The API server names a control in the plural when several values break it ("hostPorts",
+    "hostPath volumes", "forbidden AppArmor profiles", "restricted volume types", "forbidden
+    sysctls"), and the baseline's "non-default capabilities" was no control the advice knew: a
+    refusal naming only these was told to set a securityContext, where the fix is to remove them.
+    Found in review."""
+    from orchestrator.backends.k8s import _pss_controls
+
+    said = (
+        'pods "train-0-0" is forbidden: violates PodSecurity "restricted:latest": hostPorts (container '
+        '"trainer" uses hostPorts 80, 81), forbidden AppArmor profiles (annotations "a", "b"), non-default '
+        'capabilities (container "trainer" must not include "NET_ADMIN" in securityContext.capabilities.add), '
+        'hostPath volume (volume "data"), restricted volume types (volumes "a", "b"), forbidden sysctl (a.b)'
+    )
+    assert _pss_controls(said) == [
+        "hostPort",
+        "hostPath volume",
+        "restricted volume type",
+        "forbidden sysctl",
+        "forbidden AppArmor profile",
+        "non-default capabilities",
+    ]
