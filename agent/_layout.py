@@ -105,6 +105,10 @@ class MisplacedUriError(ValueError):
     or ``.spotjob-staging`` (``misplaced_uri_problem``, ``reserved_uri_problem``)."""
 
 
+_CONTROL_ENTRIES = frozenset({"owner.json", "attempts", "pins", "probes", "retired"})
+"""What spotjob keeps in a job URI's ``.spotjob``: a URI under any of them is in the records' layout."""
+
+
 def reserved_uri_problem(uri: str) -> str | None:
     """Why ``uri`` (a URI or a path), which lies in a job URI's own ``.spotjob`` or
     ``.spotjob-staging`` folder, is not one a job saves to, or None. No request: told by its name.
@@ -112,12 +116,15 @@ def reserved_uri_problem(uri: str) -> str | None:
     A job there saved its checkpoints where the other job deleted them without a word (every
     ``step-*`` folder of the staging folder is an interrupted save's leftover to the job whose
     staging it is, removed as its next Checkpointer is built), or wrote its records among the other
-    job's."""
+    job's. Under ``.spotjob`` only spotjob's own entries count (``owner.json``, ``attempts``, ``pins``,
+    ``probes``, ``retired``): a folder of the user's that happens to be named so is left alone."""
     scheme, sep, rest = uri.partition("://")
     head, parts = (f"{scheme}{sep}", rest.rstrip("/").split("/")) if sep else ("", uri.rstrip("/").split("/"))
     for i, name in enumerate(parts):
         if name not in (CONTROL_FOLDER, STAGING_FOLDER) or (i == 0 and sep and scheme != "file"):
             continue  # a bucket's name is no job's folder
+        if name == CONTROL_FOLDER and i + 1 < len(parts) and parts[i + 1] not in _CONTROL_ENTRIES:
+            continue  # a folder of the user's own of that name (~/.spotjob/ckpts): not the records' layout
         job = head + "/".join(parts[:i]) or "."
         folder = head + "/".join(parts[: i + 1])
         if name == STAGING_FOLDER:

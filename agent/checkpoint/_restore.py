@@ -406,6 +406,10 @@ def _by_job(folders: Mapping[str, str | None], most: int = 3) -> str:
     return ", ".join(parts)
 
 
+_NOT_KEPT = object()
+"""In place of the state of a per-rank object whose ``state_dict()`` raised before it was loaded."""
+
+
 def _state_before(obj: Any) -> Any:
     """A per-rank object's ``state_dict()``, copied where it can be (its lists and tensors may be the
     object's own, changed in place by its ``load_state_dict()``): what ``_put_back`` hands back."""
@@ -1084,34 +1088,43 @@ class _Restoring(_Voting):
         """Hand each per-rank object of ``state`` its saved state, before the modules and optimizers
         are loaded; each one handed it (the one that raised too: it may have changed before it
         raised) goes into ``taken`` with its ``state_dict()`` from before, for ``_put_back``.
-        ``reordered``: id(optimizer): its groups' order, where built otherwise than saved."""
+        ``reordered``: id(optimizer): its groups' order, where built otherwise than saved.
+
+        Every object's state is kept first, then every object is loaded, whatever one raised: each
+        rank calls the same methods of the same objects (one of them may be collective). An object
+        whose ``state_dict()`` cannot be had before it is loaded (one set up lazily) is loaded all
+        the same, as before objects were kept; only if this restore fails later can it not be put
+        back, which ``_put_back`` then says."""
         _, _, others = self._classify(state)
         objects = payload.get("objects", {})
         new_rank = self.rank >= manifest.world_size
+        kept: dict[str, Any] = {}
+        for key, obj in others.items():
+            try:
+                kept[key] = _state_before(obj)
+            except Exception as e:
+                log.debug("restore: state[%r].state_dict() raised before it was loaded", key, exc_info=e)
+                kept[key] = _NOT_KEPT
+        failure: tuple[str, str] | None = None
         for key, obj in others.items():
             order = reordered.get(id(getattr(obj, "optimizer", None)))
             saved = objects[key] if order is None else _in_group_order(objects[key], order)
-            try:
-                before: Any = _state_before(obj)
-                if new_rank and isinstance(obj, ResumableLoader) and isinstance(saved, dict):
-                    # Rank 0's place, this rank's own generator: taken with rank 0's, the loader's
-                    # workers drew the same seeds (the same augmentations) as rank 0's, every epoch on.
-                    saved = {**saved, "generator": before["generator"]}
-            except Exception as e:
-                return _Failure.INCOMPATIBLE, (
-                    f"incompatible with this state on rank {self.rank}: state[{key!r}].state_dict() "
-                    f"({type(obj).__name__}) raised before it was loaded: {e!r}; nothing was loaded into it"
-                )
+            before = kept[key]
+            if new_rank and isinstance(obj, ResumableLoader) and isinstance(saved, dict) and isinstance(before, dict):
+                # Rank 0's place, this rank's own generator: taken with rank 0's, the loader's
+                # workers drew the same seeds (the same augmentations) as rank 0's, every epoch on.
+                saved = {**saved, "generator": before["generator"]}
             taken.append((key, obj, before))
             try:
                 obj.load_state_dict(saved)
             except Exception as e:
                 log.debug("restore: state[%r].load_state_dict() raised", key, exc_info=e)
-                return _Failure.INCOMPATIBLE, (
+                failure = failure or (
+                    _Failure.INCOMPATIBLE,
                     f"incompatible with this state on rank {self.rank}: state[{key!r}].load_state_dict() "
-                    f"({type(obj).__name__}) {OBJECT_REFUSED}: {e!r}"
+                    f"({type(obj).__name__}) {OBJECT_REFUSED}: {e!r}",
                 )
-        return None
+        return failure
 
     def _put_back(
         self, taken: list[tuple[str, Any, Any]], failure: tuple[str, str], *, changed: bool
@@ -1122,6 +1135,12 @@ class _Restoring(_Voting):
         whether the state changed on any rank: ``changed`` on one, or an object not put back."""
         problem: str | None = None
         for key, obj, before in reversed(taken):
+            if before is _NOT_KEPT:
+                problem = problem or (
+                    f"state[{key!r}] on rank {self.rank} gave no state_dict() before the restore to hand back, "
+                    "so it keeps the checkpoint's"
+                )
+                continue
             try:
                 obj.load_state_dict(before)
             except Exception as e:

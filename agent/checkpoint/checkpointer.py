@@ -225,6 +225,12 @@ class Checkpointer(_Saving, _Restoring):
         self._save_pg: Any = None
         self._ctl_pg: Any = None
         self._control = ControlDir(control_dir) if control_dir else None
+        if self._read_only and (reserved := reserved_uri_problem(self.storage.uri)) is not None:
+            # A writer is refused so as it claims the URI; a reader here (a job's staging folder
+            # holding interrupted saves' leftovers) said "no committed checkpoint" and started from 0.
+            # Told by its name on every rank alike: no request, no group.
+            self._close_storage()
+            raise CheckpointUriError(reserved)
         if self._read_only:
             # A reader cleans no staging folder, so its groups can come first: rank 0 alone reads
             # the owner record and hands it on (on every rank, a 1000-rank eval job sent 2000

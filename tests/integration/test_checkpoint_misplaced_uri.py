@@ -107,8 +107,15 @@ def test_a_uri_in_a_jobs_staging_or_records_folder_is_refused_and_nothing_is_wri
             f"lies in {job}/.spotjob-staging, the staging folder of the job URI {job}:",
         ),
         (f"{job_uri}/.spotjob", f"is the records folder of the job URI {job}:"),
-        (f"{job_uri}/.spotjob/owner", f"lies in {job}/.spotjob, the records folder of the job URI {job}:"),
+        (f"{job_uri}/.spotjob/pins/x", f"lies in {job}/.spotjob, the records folder of the job URI {job}:"),
     ]
+    # A reader of the staging folder with an interrupted save's leftover in it (a committed-looking
+    # copy of step 1) said "no committed checkpoint" or restored it: refused by its name too.
+    storage = open_storage(job_uri)
+    for info in list(storage.list("step-000000001/")):
+        storage.put_bytes(f".spotjob-staging/{info.key}", storage.get_bytes(info.key))
+    storage.close()
+    before = store_listing(storage_uri)
     for uri, said in cases:
         for read_only in (False, True):
             with pytest.raises(CheckpointUriError) as refused:
@@ -127,3 +134,16 @@ def test_a_uri_in_a_jobs_staging_or_records_folder_is_refused_and_nothing_is_wri
 
     # The job's checkpoint is still there, and its URI is one like any other.
     assert _open_and_restore(job_uri, state, read_only=False) == 1
+
+
+def test_a_folder_of_the_users_own_named_spotjob_is_no_job_uris_records_folder(storage_uri: str) -> None:
+    """The name check refused any URI with a ``.spotjob`` part: ``~/.spotjob/ckpts/run1``, a
+    folder of the user's own, was told it lies in "the records folder of the job URI ~", and a job
+    that saved there could no longer build a Checkpointer. Found in review. Under ``.spotjob`` only
+    spotjob's own entries (``owner.json``, ``attempts``, ``pins``, ``probes``, ``retired``) count."""
+    torch.manual_seed(0)
+    state = {"model": nn.Linear(3, 2)}
+    uri = f"{storage_uri}/home/.spotjob/ckpts/run1"
+    with Checkpointer(uri, async_save=False) as ckpt:
+        ckpt.save(4, state)
+    assert _open_and_restore(uri, state, read_only=True) == 4
