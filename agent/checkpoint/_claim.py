@@ -315,6 +315,12 @@ def opened(checkpointer: str) -> None:
         _open.add(checkpointer)
 
 
+def others_open(checkpointer: str) -> bool:
+    """Whether a Checkpointer of this process other than ``checkpointer`` is open (not closed)."""
+    with _live_lock:
+        return bool(_open - {checkpointer})
+
+
 def closed(checkpointer: str) -> None:
     """The Checkpointer with id ``checkpointer`` was closed (or collected unclosed)."""
     with _live_lock:

@@ -840,10 +840,12 @@ class _Saving(_Voting):
             if ref.step != step:
                 continue
             if self.storage.stat(ref.key(MANIFEST_NAME)) is not None:
-                if ref.folder not in self._own_folders:
+                if ref.folder not in self._own_folders and _claim.others_open(self._checkpointer_id):
                     # Another Checkpointer of this process (not closed) committed the step: saving
                     # it again beside it (step-N.1) committed a second copy of the step, and
-                    # retention then removed the first one's as an older copy, without a word.
+                    # retention then removed the first one's as an older copy, without a word. One
+                    # read of its claim, and none while this Checkpointer is the process's only one
+                    # (a flush at the step just restored).
                     other = _claim.read_claim(self.storage, ref.folder)
                     if other is not None and other.of_another_open_checkpointer(self._checkpointer_id):
                         raise SaveFailedError(self._committed_by_another(ref.folder))
