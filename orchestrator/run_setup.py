@@ -19,7 +19,7 @@ import os
 import shlex
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent.control_channel import STATUS_FILE, read_json
 from orchestrator.backends.local_cloud import ENV_RUN, kill_marked, run_pids
@@ -42,6 +42,9 @@ from orchestrator.run_folder import (
 )
 from orchestrator.run_interrupt import INTERRUPT_REASONS
 from orchestrator.store import JsonFileJobStore, StoreError
+
+if TYPE_CHECKING:
+    from agent.ownership import Owner
 
 log = logging.getLogger("orchestrator.cli_run")  # spotjob run's one logger, as before it was split
 
@@ -104,21 +107,10 @@ def _refuse_owned_uri(key: JobKey, spec: JobSpec) -> None:
     used up its name, and its advice (adopt the URI for this run's job) left the checkpoints to a
     Failed run that can neither run again nor be resumed. A store that cannot be read now is left
     to the run, which says so in its own words."""
-    from agent.ownership import OwnershipError, read_owner
-    from agent.storage import StorageError, open_storage
     from orchestrator.reconciler import job_identity
 
     job = job_identity(key)
-    try:
-        storage = open_storage(spec.checkpoint.uri)
-    except (StorageError, ValueError):
-        return
-    try:
-        owner = read_owner(storage)
-    except (StorageError, OwnershipError):
-        return
-    finally:
-        storage.close()
+    owner = _stored_owner(spec.checkpoint.uri)
     if owner is None or owner.job == job:  # claim()'s rule: the run's first worker claims the URI
         return
     uri = spec.checkpoint.uri
@@ -129,23 +121,28 @@ def _refuse_owned_uri(key: JobKey, spec: JobSpec) -> None:
     )
 
 
-def _owner_said(uri: str) -> str:
-    """`` (they belong to job 'local/b1')``: the owner of the checkpoints in ``uri`` as storage says
-    now, or nothing when storage cannot say (no owner recorded, a record or a store that cannot be
-    read)."""
+def _stored_owner(uri: str) -> Owner | None:
+    """The owner of the checkpoints in ``uri`` as storage says now, or None when storage cannot say
+    (no owner recorded, a record or a store that cannot be read)."""
     from agent.ownership import OwnershipError, read_owner
     from agent.storage import StorageError, open_storage
 
     try:
         storage = open_storage(uri)
     except (StorageError, ValueError):
-        return ""
+        return None
     try:
-        owner = read_owner(storage)
+        return read_owner(storage)
     except (StorageError, OwnershipError):
-        return ""
+        return None
     finally:
         storage.close()
+
+
+def _owner_said(uri: str) -> str:
+    """`` (they belong to job 'local/b1')``: the owner of the checkpoints in ``uri`` as storage says
+    now, or nothing when storage cannot say."""
+    owner = _stored_owner(uri)
     return f" (they belong to {owner.describe()})" if owner is not None else ""
 
 
