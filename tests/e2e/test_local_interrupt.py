@@ -630,10 +630,9 @@ def test_an_interrupt_during_resumes_wait_for_a_killed_drivers_processes_leaves_
         kill_left(run, first, *([waiter] if waiter is not None else []))
 
 
-def test_a_job_file_removed_while_the_run_goes_on_is_flushed_stopped_and_said_not_a_traceback(tmp_path: Path) -> None:
-    """``rm spotjob-runs/NAME/local/NAME.json`` (or the whole folder) under a running run: the
-    controller loop raised JobNotFoundError out of ``spotjob run`` (a traceback, exit 1) and the
-    workers were stopped without a flush, losing the steps since the last checkpoint."""
+def _job_file_removed_while_it_trains(tmp_path: Path) -> tuple[Path, Path, int]:
+    """Run "gone" trains three steps, then ``rm spotjob-runs/gone/local/gone.json``: its folder,
+    the driver's log and the driver's exit code."""
     run, log, driver = _endless(tmp_path, "gone")
     try:
         wait_for(running(driver, run, log), "the run to train")
@@ -642,6 +641,14 @@ def test_a_job_file_removed_while_the_run_goes_on_is_flushed_stopped_and_said_no
         code = until_exit(driver)
     finally:
         kill_left(run, driver)
+    return run, log, code
+
+
+def test_a_job_file_removed_while_the_run_goes_on_is_flushed_stopped_and_said_not_a_traceback(tmp_path: Path) -> None:
+    """``rm spotjob-runs/NAME/local/NAME.json`` (or the whole folder) under a running run: the
+    controller loop raised JobNotFoundError out of ``spotjob run`` (a traceback, exit 1) and the
+    workers were stopped without a flush, losing the steps since the last checkpoint."""
+    run, log, code = _job_file_removed_while_it_trains(tmp_path)
     said = log.read_text()
     assert code == 1 and "Traceback" not in said, said[-6000:]
     assert "gone.json was removed while the run went on, so the run cannot go on nor be resumed" in said, said[-4000:]
@@ -659,14 +666,7 @@ def test_a_run_folder_whose_job_file_was_removed_is_no_free_name_and_status_list
     restored the old run's checkpoint from the default URI and appended to its timeline, and
     ``spotjob status`` said there were no runs. Now the new run is refused (exit 2) naming the
     folder and what to do, nothing of the folder changes, and ``status`` lists it as unreadable."""
-    run, log, driver = _endless(tmp_path, "gone")
-    try:
-        wait_for(running(driver, run, log), "the run to train")
-        wait_for(lambda: steps_reported(run) >= 3, "three steps")
-        (run / "local" / "gone.json").unlink()
-        code = until_exit(driver)
-    finally:
-        kill_left(run, driver)
+    run, log, code = _job_file_removed_while_it_trains(tmp_path)
     assert code == 1, log.read_text()[-4000:]
     timeline = (run / "timeline.jsonl").read_text()
     uri = run / "checkpoints"
