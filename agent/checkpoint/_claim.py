@@ -164,16 +164,20 @@ class Claim:
             and (self.started == _started(self.pid))
         )
 
+    def of_another_checkpointer_here(self, me: str) -> bool:
+        """Written by another Checkpointer of this very process than ``me`` (its id)."""
+        return self.checkpointer != me and self.this_process()
+
     def of_another_open_checkpointer(self, me: str) -> bool:
         """Written by another Checkpointer of this very process than ``me`` (its id), one not closed yet."""
-        if not self.checkpointer or self.checkpointer == me or not self.this_process():
+        if not self.checkpointer or not self.of_another_checkpointer_here(me):
             return False
         with _live_lock:
             return self.checkpointer in _open
 
     def describe_to(self, me: str) -> str:
         """``describe()``, saying so when it is another Checkpointer of this process than ``me``."""
-        if self.this_process() and self.checkpointer != me:
+        if self.of_another_checkpointer_here(me):
             return f"{self.describe()}: another Checkpointer of this process"
         return self.describe()
 

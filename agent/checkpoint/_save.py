@@ -263,7 +263,7 @@ def _two_writers(claim: _claim.Claim | None, me: str, remedy: str) -> str:
     """Who the two writers of the URI are: two Checkpointers of this process when ``claim`` (the
     other writer's, None when unknown) is this process's and not the Checkpointer ``me``'s; else two
     processes, with ``remedy``."""
-    if claim is not None and claim.this_process() and claim.checkpointer != me:
+    if claim is not None and claim.of_another_checkpointer_here(me):
         return (
             "Two Checkpointers of this process are saving to this URI: use one Checkpointer per URI in a "
             "process (close() the old one before building another on the same URI)"
@@ -848,7 +848,7 @@ class _Saving(_Voting):
                     # (a flush at the step just restored).
                     other = _claim.read_claim(self.storage, ref.folder)
                     if other is not None and other.of_another_open_checkpointer(self._checkpointer_id):
-                        raise SaveFailedError(self._committed_by_another(ref.folder))
+                        raise SaveFailedError(self._committed_by_another(ref.folder, other))
                 suffix = max(suffix, ref.attempt + 1)
                 committed.add(ref.folder)
                 continue
@@ -993,9 +993,10 @@ class _Saving(_Voting):
                 f"{who}; nothing is committed. {_two_writers(claim, self._checkpointer_id, _STOP_ONE)}"
             )
 
-    def _committed_by_another(self, folder: str) -> str:
+    def _committed_by_another(self, folder: str, claim: _claim.Claim | None = None) -> str:
         """(rank 0) Why this save's manifest could not be written: another writer committed the
-        folder first. Names that writer from its manifest (best effort) and this one."""
+        folder first. Names that writer from its manifest (best effort) and this one; ``claim``: the
+        folder's claim where the caller read it already."""
         mine = self.config.attempt if self.config.attempt is not None else "none"
         me = f"{describe_job(self.config.job)} (attempt {mine})"
         try:
@@ -1004,11 +1005,12 @@ class _Saving(_Voting):
             who = f"{describe_job(other.job)} (attempt {attempt}, committed at {other.created_at.isoformat()})"
         except Exception as e:  # the message must not fail: say what is known
             who = f"another writer (its manifest could not be read: {type(e).__name__})"
-        try:
-            claim = _claim.read_claim(self.storage, folder)
-        except Exception:  # as above
-            claim = None
-        if claim is not None and claim.this_process() and claim.checkpointer != self._checkpointer_id:
+        if claim is None:
+            try:
+                claim = _claim.read_claim(self.storage, folder)
+            except Exception:  # as above
+                claim = None
+        if claim is not None and claim.of_another_checkpointer_here(self._checkpointer_id):
             who += f", another Checkpointer of this process (pid {claim.pid})"
         return (
             f"{self.storage.url(folder)} was committed meanwhile by {who}; this save is {me}. "
