@@ -116,6 +116,8 @@ class _DcpPlan:
     reordered: dict[int, list[int]]
     """id(optimizer): its groups' order, for each optimizer built with its groups in another order
     than saved; what its schedulers' per-group lists are put in order by (``_in_group_order``)."""
+    through_dcp: bool = True
+    """False when nothing was saved through DCP (modules without state, on every rank): nothing to load."""
 
 
 _PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs", "max_lrs")
@@ -1197,7 +1199,7 @@ class _Restoring(_Voting):
         modules, optims, _ = self._classify(state)
         if not modules or reader.manifest.file(DCP_METADATA_NAME) is None:
             # Nothing was saved through DCP (modules without state, an nn.Identity), on any rank.
-            return _DcpPlan(None, {}, frozenset(), {})
+            return _DcpPlan(None, {}, frozenset(), {}, through_dcp=False)
         bag = _ModuleBag(modules)
         no_dist = not self._dist
         if not _plain_modules(bag):
@@ -1237,8 +1239,7 @@ class _Restoring(_Voting):
 
     def _load_dcp(self, reader: VerifiedReader, state: Mapping[str, Any], plan: _DcpPlan) -> dict[str, Any]:
         """Load modules (in place) and optimizer state as ``plan`` says; returns the state dicts to apply."""
-        modules, _, _ = self._classify(state)
-        if not modules or reader.manifest.file(DCP_METADATA_NAME) is None:
+        if not plan.through_dcp:
             return {}
         no_dist = not self._dist
         if plan.dcp_state is None:  # sharded: the generic path
