@@ -82,6 +82,11 @@ def find_checkpoints(storage: Storage, dirs: list[str] | None = None) -> list[Ch
 CLAIM_NAME = "WRITER.json"
 """A checkpoint folder's claim: the writer saving into it (``agent.checkpoint._claim``)."""
 
+CHECKPOINT_MARKERS = (MANIFEST_NAME, CLAIM_NAME)
+"""What marks a folder as a checkpoint's own (``misplaced_uri_problem``). With a URI's ``.spotjob``
+records, the only objects the controller reads (never a shard): the Terraform modules' controller
+roles grant reading these names, and no other of a checkpoint's."""
+
 SUBFOLDERS_LOOKED_AT = 32
 """How many of a checkpoint-less URI's folders ``checkpoint_uris_below`` looks into (a listing each)."""
 
@@ -163,7 +168,7 @@ def misplaced_uri_problem(storage: Storage, dirs: list[str] | None = None) -> st
             f"{storage.uri} is a checkpoint's own folder (its name is a checkpoint folder's), not the URI a job "
             f"saves to: give the URI its job saves to, {parent}, whose newest valid checkpoint restore() loads"
         )
-    held = next((name for name in (MANIFEST_NAME, CLAIM_NAME) if storage.stat(name) is not None), None)
+    held = next((name for name in CHECKPOINT_MARKERS if storage.stat(name) is not None), None)
     if held is not None:  # a copy of one, under a name of its own
         return (
             f"{storage.uri} is a checkpoint's own folder (it holds {held}), not the URI a job saves to: give the "

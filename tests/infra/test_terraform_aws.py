@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import importlib
+import inspect
 import json
 import shutil
+import sys
 import uuid
 from collections.abc import Iterator
 from datetime import datetime, timedelta
@@ -22,12 +25,23 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+import botocore
 import pytest
 import yaml
 from infra_support import REPO, TERRAFORM, container_args, one, render, terraform
 
+from agent._layout import CHECKPOINT_MARKERS
+from agent.catalog import CheckpointRef, latest_valid
+from agent.ownership import OwnershipError, claim, read_attempt
+from agent.storage import open_storage
 from orchestrator.k8s.interruption_queue import MessageRejected, Outcome, SqsQueue, parse_message
+from orchestrator.model import JobSpec, Phase
+from orchestrator.reconciler import Reconciler, job_identity
 from orchestrator.signals import SignalKind
+from orchestrator.store import JsonFileJobStore
+
+sys.path.insert(0, str(REPO / "tests" / "unit"))  # fakes: the reconciler tests' backend and clock
+from fakes import KEY, FakeBackend, FakeClock, FakeNode, commit_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -283,8 +297,13 @@ def test_the_controller_role_reads_manifests_keeps_records_and_reads_its_queue(s
     bucket = f"arn:aws:s3:::{stack.output('checkpoint_bucket')}"
     job = f"{bucket}/ml-training/train-eks"
     assert _allowed(policy, "s3:ListBucket", bucket)
-    assert _allowed(policy, "s3:GetObject", f"{job}/step-000000100/MANIFEST.json")
+    # The markers of a checkpoint's folder: the manifests it judges flushes by, and the claim its first
+    # look at a URI looks for (a URI that is a checkpoint's own folder is refused).
+    for name in CHECKPOINT_MARKERS:
+        assert _allowed(policy, "s3:GetObject", f"{job}/step-000000100/{name}"), name
+        assert _allowed(policy, "s3:GetObject", f"{job}/{name}"), name
     assert not _allowed(policy, "s3:GetObject", f"{job}/step-000000100/__0_0.distcp"), "the controller reads no shards"
+    assert not _allowed(policy, "s3:GetObject", f"{job}/step-000000100/.metadata"), "nor DCP's metadata"
     assert not _allowed(policy, "s3:PutObject", f"{job}/step-000000100/MANIFEST.json")
     assert not _allowed(policy, "s3:DeleteObject", f"{job}/step-000000100/MANIFEST.json")
     for record in (".spotjob/owner.json", ".spotjob/attempts/ml-training_train-eks.1f3a/attempt-000000002.json"):
@@ -327,6 +346,107 @@ def test_the_controller_role_grants_exactly_the_sqs_calls_the_queue_reader_makes
         if action.startswith("sqs:")
     }
     assert granted == called, f"granted but never called: {sorted(granted - called)}"
+
+
+TRACE_BUCKET = "controller-trace"
+"""Where the controller's requests are traced: moto enforces the module's bucket's TLS-only policy on
+its plain-HTTP endpoint, so they go to a bucket of their own and are judged as made to the module's."""
+
+TRACED = {"claim", "latest_valid", "newest_attempt", "read_attempt", "record_attempt"}
+"""The storage functions ``test_every_s3_request_the_controller_makes_is_granted`` runs."""
+
+
+class _Trace:
+    """The S3 requests made through one S3Storage's client, each as (IAM action, the resource in the
+    module's bucket, the request's condition keys)."""
+
+    def __init__(self, storage: Any, bucket_arn: str) -> None:
+        self.requests: list[tuple[str, str, dict[str, str]]] = []
+        self._bucket_arn = bucket_arn
+        storage._client.meta.events.register("before-parameter-build.s3", self._record)
+
+    def _record(self, model: Any, params: dict[str, Any], **_: Any) -> None:
+        call = botocore.xform_name(model.name)
+        assert call in S3_CALL_ACTIONS, f"the controller calls {call}: add its IAM action to S3_CALL_ACTIONS"
+        key, context = params.get("Key"), {}
+        if "Prefix" in params:
+            context["s3:prefix"] = params["Prefix"]
+        resource = self._bucket_arn + (f"/{key}" if key is not None else "")
+        self.requests.append((S3_CALL_ACTIONS[call], resource, context))
+
+
+def _storage_functions_the_controller_calls() -> set[str]:
+    """The functions of agent.* that take a Storage which orchestrator/reconciler imports, read from its source."""
+    found = set()
+    for path in (REPO / "orchestrator" / "reconciler").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("agent."):
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    obj = getattr(module, alias.name)
+                    if inspect.isfunction(obj) and "storage" in inspect.signature(obj).parameters:
+                        found.add(alias.name)
+    return found
+
+
+def test_every_s3_request_the_controller_makes_is_granted(stack: Stack, tmp_path: Path) -> None:
+    """The real reconciler runs a new SpotJob on S3 (moto) through its first attempt, a preemption
+    and the attempt resumed from the checkpoint committed meanwhile; then the storage calls it makes
+    on paths that run takes not (a URI holding another job's checkpoints, an attempt record read
+    back, an older checkpoint looked for): every request is one the controller role grants. The
+    first look at a new URI asked for WRITER.json, which the role did not grant: every new SpotJob on
+    EKS failed with StorageRefused. (The workers' commits go through storage of their own, untraced:
+    the training role's.)"""
+    reconciler_calls = _storage_functions_the_controller_calls()
+    assert reconciler_calls <= TRACED, f"the reconciler calls {sorted(reconciler_calls - TRACED)}: trace them here"
+    stack.client("s3").create_bucket(Bucket=TRACE_BUCKET)
+    bucket_arn = f"arn:aws:s3:::{stack.output('checkpoint_bucket')}"
+    traces: list[_Trace] = []
+
+    def controller_storage(uri: str) -> Any:
+        storage = open_storage(uri)
+        traces.append(_Trace(storage, bucket_arn))
+        return storage
+
+    uri = f"s3://{TRACE_BUCKET}/ml-training/train-eks"
+    clock = FakeClock()
+    nodes = [FakeNode(f"n{i}", "zone-a", "g5.xlarge") for i in range(3)]
+    backend = FakeBackend(clock, open_storage(uri), nodes)
+    store = JsonFileJobStore(str(tmp_path / "jobs"), fsync=False)
+    spec = {"command": ["python", "train.py"], "replicas": 2, "checkpoint": {"uri": uri}, "flushTimeoutSeconds": 30}
+    store.create(KEY, JobSpec.model_validate(spec))
+    reconciler = Reconciler(store, backend, clock, storage_factory=controller_storage)
+
+    def run_until(phase: Phase, attempt: int) -> None:
+        for _ in range(200):
+            result = reconciler.reconcile(KEY)
+            status = store.get(KEY).status  # type: ignore[union-attr]
+            assert status is not None and status.phase is not Phase.FAILED, status and status.message
+            if status.phase is phase and status.attempt.number == attempt:
+                return
+            clock.sleep(result.requeue_after or 1.0)
+        raise AssertionError(f"not {phase} in attempt {attempt} after 200 passes")
+
+    run_until(Phase.RUNNING, 0)
+    clock.sleep(20)
+    backend.notice("n0")
+    run_until(Phase.RUNNING, 1)
+    assert backend.commits, "the flush committed a checkpoint, which attempt 1 resumed from"
+
+    job = job_identity(KEY)
+    storage = controller_storage(uri)
+    read_attempt(storage, job, 1)
+    latest_valid(storage, before=CheckpointRef(backend.commits[-1]))
+    other = f"s3://{TRACE_BUCKET}/ml-training/copied"
+    commit_checkpoint(open_storage(other), 10, clock.now(), job="research/train")
+    with pytest.raises(OwnershipError):
+        claim(controller_storage(other), job)
+
+    requests = [r for trace in traces for r in trace.requests]
+    assert {r[0] for r in requests} >= {"s3:GetObject", "s3:PutObject", "s3:ListBucket"}, requests
+    policy = _role_policy(stack, "spotjob-controller")
+    refused = [r for r in requests if not _allowed(policy, *r)]
+    assert not refused, f"the controller role refuses these requests the controller makes: {refused}"
 
 
 # -- the queue and its rules -------------------------------------------------------------------------

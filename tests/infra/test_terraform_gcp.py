@@ -3,10 +3,13 @@ cannot validate it. python-hcl2 parses it; these tests read the settings that ma
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 from infra_support import TERRAFORM, hcl_blocks, load_hcl, validation_errors
+
+from agent._layout import CHECKPOINT_MARKERS
 
 MODULE = TERRAFORM / "modules" / "gcp"
 RESOURCES = hcl_blocks(load_hcl(MODULE / "main.tf"), "resource")
@@ -87,7 +90,13 @@ def test_training_storage_access_is_conditioned_on_the_prefix() -> None:
 def test_the_controller_reads_manifests_and_creates_records_only() -> None:
     read = RESOURCES[("google_storage_bucket_iam_member", "controller_read")]
     assert read["role"] == "roles/storage.objectViewer"
-    assert 'endsWith("/MANIFEST.json")' in read["condition"][0]["expression"]
+    expression = read["condition"][0]["expression"]
+    # The objects of a checkpoint's folder the controller reads (the manifest; the writer's claim, which
+    # its first look at a new URI asks for: refused, every new SpotJob failed with StorageRefused), and
+    # no other (never a shard).
+    assert set(re.findall(r'resource\.name\.endsWith\("/([^"]+)"\)', expression)) == set(CHECKPOINT_MARKERS)
+    assert 'resource.name.extract("/.spotjob/{record}") != ""' in expression
+    assert "startsWith" not in expression
     create = RESOURCES[("google_storage_bucket_iam_member", "controller_records")]
     assert create["role"] == "roles/storage.objectCreator"  # create, never overwrite or delete
     assert "/.spotjob/" in create["condition"][0]["expression"]
@@ -119,8 +128,6 @@ def test_kms_key_name_must_name_a_crypto_key() -> None:
     KMS grant and the bucket, which fail at apply (after other resources were created). The
     validation's pattern is read from variables.tf and run here with Python's re (it uses only what
     RE2 and re share); Terraform itself cannot run the module offline."""
-    import re
-
     variables = {k: v for entry in load_hcl(MODULE / "variables.tf")["variable"] for k, v in entry.items()}
     (validation,) = variables["kms_key_name"]["validation"]
     condition = validation["condition"]

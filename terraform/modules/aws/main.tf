@@ -320,11 +320,13 @@ data "aws_iam_policy_document" "controller" {
     resources = [local.bucket_arn]
   }
 
-  # Manifests are what the controller judges a flush by; it never reads shards.
+  # Manifests are what the controller judges a flush by; a manifest or a writer's claim (WRITER.json)
+  # at a new job's URI says it is a checkpoint's own folder, which its first look refuses. It never
+  # reads shards.
   statement {
     sid       = "ReadManifests"
     actions   = ["s3:GetObject"]
-    resources = ["${local.bucket_arn}/*/MANIFEST.json"]
+    resources = ["${local.bucket_arn}/*/MANIFEST.json", "${local.bucket_arn}/*/WRITER.json"]
   }
 
   # <uri>/.spotjob/: the URI's owner record and the attempt records the controller writes

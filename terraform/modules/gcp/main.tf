@@ -140,7 +140,8 @@ resource "google_service_account_iam_member" "controller_workload_identity" {
   member             = "serviceAccount:${local.workload_pool}[${var.controller_namespace}/${var.controller_service_account}]"
 }
 
-# List, read manifests and <uri>/.spotjob/ records; never shards.
+# List, read manifests, writers' claims (WRITER.json: a new job's URI that holds one is a
+# checkpoint's own folder, refused) and <uri>/.spotjob/ records; never shards.
 resource "google_storage_bucket_iam_member" "controller_read" {
   bucket = google_storage_bucket.this.name
   role   = "roles/storage.objectViewer"
@@ -148,8 +149,8 @@ resource "google_storage_bucket_iam_member" "controller_read" {
 
   condition {
     title       = "spotjob-controller-read"
-    description = "Listing, MANIFEST.json and .spotjob/ records"
-    expression  = "${local.is_bucket} || resource.name.endsWith(\"/MANIFEST.json\") || resource.name.extract(\"/.spotjob/{record}\") != \"\""
+    description = "Listing, MANIFEST.json, WRITER.json and .spotjob/ records"
+    expression  = "${local.is_bucket} || resource.name.endsWith(\"/MANIFEST.json\") || resource.name.endsWith(\"/WRITER.json\") || resource.name.extract(\"/.spotjob/{record}\") != \"\""
   }
 }
 
