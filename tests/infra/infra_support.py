@@ -265,13 +265,19 @@ def plan_errors(output: str) -> dict[str, str]:
     return errors
 
 
-def validation_errors(variables_tf: Path, workdir: Path, calls: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
+def validation_errors(
+    variables_tf: Path, workdir: Path, calls: Mapping[str, Mapping[str, str]], files: Mapping[str, str] | None = None
+) -> dict[str, str]:
     """Each of ``calls`` (label: {variable: HCL expression}) given to a module made of
     ``variables_tf`` alone, planned at once: Terraform runs every validation block, and needs no
-    provider (nothing else is in the module). The errors, per label (``plan_errors``)."""
+    provider (nothing else is in the module). ``files``: more of the module (name: text), such as a
+    ``terraform_data`` resource carrying one of the real module's preconditions (Terraform's own
+    resource: no provider either). The errors, per label (``plan_errors``)."""
     module = workdir / "variables_only"
     module.mkdir(parents=True)
     shutil.copy(variables_tf, module / "variables.tf")
+    for name, text in (files or {}).items():
+        (module / name).write_text(text)
     blocks = []
     for label, inputs in calls.items():
         lines = "".join(f"  {name} = {value}\n" for name, value in inputs.items())

@@ -607,6 +607,36 @@ def test_variable_validation_refuses_nested_prefixes(stack: Stack, tf_plugin_dir
     assert "inside another's" in plan.stderr, plan.stdout + plan.stderr
 
 
+def test_a_name_that_makes_a_bucket_name_s3_refuses_fails_at_plan_naming_name(
+    stack: Stack, tf_plugin_dir: Path
+) -> None:
+    """The default bucket name is "<name>-checkpoints-<account id>". bucket_name's validation refuses
+    the prefixes S3 keeps for itself (xn--, sthree-, amzn-s3-demo-), but a name beginning with one
+    passed the plan and S3 refused CreateBucket at apply. A precondition now refuses it at plan,
+    naming name; with bucket_name given, name makes no bucket name and such a name passes."""
+    root = stack.workdir.parent / "bucket-prefixes"
+    root.mkdir()
+    refused = ("xn--sj", "sthree-sj", "amzn-s3-demo-sj")
+    calls = {**{name: "" for name in refused}, "xn--own": '  bucket_name = "own-checkpoints"\n'}
+    (root / "main.tf").write_text(
+        "".join(
+            f'module "m{i}" {{\n  source = "../../modules/aws"\n  oidc_provider_arn = "{OIDC}"\n'
+            f'  name = "{name}"\n  create_interruption_queue = false\n{extra}}}\n'
+            for i, (name, extra) in enumerate(calls.items())
+        )
+    )
+    shutil.copy(stack.workdir / "moto_override.tf", root / "provider.tf")
+    init = terraform(root, "init", "-backend=false", f"-plugin-dir={tf_plugin_dir}", "-input=false")
+    assert init.returncode == 0, init.stdout + init.stderr
+    plan = terraform(root, "plan", "-input=false")
+    assert plan.returncode != 0, plan.stdout
+    said = " ".join((plan.stdout + plan.stderr).split())
+    for name in refused:
+        assert f'name "{name}" makes the bucket name "{name}-checkpoints-123456789012"' in said, said
+    assert said.count("may not begin with xn--, sthree- or amzn-s3-demo-: choose another name") == 3, said
+    assert 'name "xn--own"' not in said, "with bucket_name given, name makes no bucket name"
+
+
 KMS_KEY = "arn:aws:kms:us-east-1:123456789012:key/1234abcd-12ab-34cd-56ef-1234567890ab"
 
 

@@ -145,6 +145,54 @@ def test_kms_key_name_must_name_a_crypto_key() -> None:
     assert "cryptoKeys/KEY" in validation["error_message"]
 
 
+def _precondition(resource_type: str, mentioning: str) -> str:
+    """The text of the ``precondition`` block of main.tf's ``resource_type`` "this" that mentions ``mentioning``."""
+    source = (MODULE / "main.tf").read_text()
+    body = source[source.index(f'resource "{resource_type}" "this" {{') :]
+    body = body[: body.index("\n}\n")]
+    blocks = [b for b in re.findall(r"\n( +precondition \{\n.*?\n +\})", body, re.S) if mentioning in b]
+    assert len(blocks) == 1, f"{len(blocks)} preconditions of {resource_type}.this mention {mentioning}"
+    return blocks[0]
+
+
+def test_a_bucket_name_google_cloud_refuses_fails_at_plan_naming_the_input(terraform_bin: str, tmp_path: Path) -> None:
+    """Cloud Storage refuses a bucket name beginning with goog or containing google (or g00gle), and
+    the default one is "<name>-checkpoints-<project id>": such a bucket_name, or name, passed the
+    plan and failed at apply. bucket_name's validation refuses it now, and a precondition of the
+    bucket refuses such a name when bucket_name is not given (it makes no bucket name otherwise).
+    The precondition is run by Terraform on a ``terraform_data`` resource beside variables.tf (the
+    module's own resources need the google provider, not on disk here)."""
+    check = 'resource "terraform_data" "bucket" {\n  lifecycle {\n' + _precondition("google_storage_bucket", "goog")
+    # The message names local.bucket_name, the default one (name given, bucket_name not).
+    files = {
+        "check.tf": check + "\n  }\n}\n",
+        "locals.tf": 'locals {\n  bucket_name = "${var.name}-checkpoints-${var.project_id}"\n}\n',
+    }
+    base = {"project_id": '"example-project"', "location": '"us-central1"'}
+    refused_names = {"goog_prefix": "googly", "google_inside": "my-google", "g00gle": "g00gle-ml"}
+    refused_buckets = {"goog_bucket": "goog-checkpoints", "google_bucket": "ckpt-google-ml", "g00gle_bucket": "g00gle"}
+    accepted = {
+        "default": {},
+        "go_prefix": {"name": '"go-ml"'},
+        "own_bucket": {"name": '"googly"', "bucket_name": '"ml-ckpt"'},
+    }
+    # Two plans: a failed validation stops the plan before any precondition is checked.
+    calls = {label: {**base, "bucket_name": f'"{name}"'} for label, name in refused_buckets.items()}
+    errors = validation_errors(MODULE / "variables.tf", tmp_path / "validation", calls, files)
+    assert set(errors) == set(refused_buckets), errors
+    for label in refused_buckets:
+        assert "bucket_name must be a name Cloud Storage accepts" in errors[label], errors[label]
+    calls = {label: {**base, "name": f'"{name}"'} for label, name in refused_names.items()}
+    calls.update({label: {**base, **inputs} for label, inputs in accepted.items()})
+    errors = validation_errors(MODULE / "variables.tf", tmp_path / "precondition", calls, files)
+    said = " ".join(" ".join(errors.values()).split())
+    # A precondition's error names no module call: each is found by its name.
+    for name in refused_names.values():
+        assert f'name "{name}" makes the bucket name "{name}-checkpoints-example-project"' in said, said
+    assert said.count("may not begin with goog or contain google or g00gle: choose another name") == 3, said
+    assert said.count('name "googly" makes') == 1, "with bucket_name given, such a name passes"
+
+
 def test_a_training_identity_key_ending_in_a_hyphen_is_refused_at_plan(terraform_bin: str, tmp_path: Path) -> None:
     """Service account IDs end in a letter or digit, and the key ends "<name>-training-<key>": a
     key such as "ml-" passed the validation and failed at apply, when Google refused the account.

@@ -54,6 +54,15 @@ resource "aws_s3_bucket" "this" {
   bucket        = local.bucket_name
   force_destroy = var.force_destroy
   tags          = var.tags
+
+  lifecycle {
+    # The default bucket name begins with name, and S3 refused one beginning with a prefix it keeps
+    # at apply (bucket_name's validation refuses those; a variable's cannot read another variable).
+    precondition {
+      condition     = var.bucket_name != null || !can(regex("^(xn--|sthree-|amzn-s3-demo-)", var.name))
+      error_message = "name \"${var.name}\" makes the bucket name \"${local.bucket_name}\", which S3 refuses: a bucket name may not begin with xn--, sthree- or amzn-s3-demo-: choose another name, or give bucket_name."
+    }
+  }
 }
 
 resource "aws_s3_bucket_ownership_controls" "this" {

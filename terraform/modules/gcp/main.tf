@@ -64,6 +64,15 @@ resource "google_storage_bucket" "this" {
   # Cloud Storage itself encrypts with the key: its service agent must be allowed to before the
   # bucket can be created with it (and before any object can be written or read).
   depends_on = [google_kms_crypto_key_iam_member.this]
+
+  lifecycle {
+    # The default bucket name begins with name, and Cloud Storage refused one beginning with goog or
+    # holding google (or g00gle) at apply (a variable's validation cannot read another variable).
+    precondition {
+      condition     = var.bucket_name != null || !(startswith(var.name, "goog") || strcontains(var.name, "google") || strcontains(var.name, "g00gle"))
+      error_message = "name \"${var.name}\" makes the bucket name \"${local.bucket_name}\", which Cloud Storage refuses: a bucket name may not begin with goog or contain google or g00gle: choose another name, or give bucket_name."
+    }
+  }
 }
 
 # CMEK: the project's Cloud Storage service agent (not the training or controller identities)

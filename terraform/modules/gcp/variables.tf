@@ -48,6 +48,11 @@ variable "bucket_name" {
     condition     = var.bucket_name == null || can(regex("^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$", var.bucket_name))
     error_message = "bucket_name must be a valid GCS bucket name: 3 to 63 lowercase letters, digits, '.', '_' and '-'."
   }
+  # Cloud Storage refused these at apply, after the plan had passed.
+  validation {
+    condition     = var.bucket_name == null || !can(regex("^goog|google|g00gle", var.bucket_name))
+    error_message = "bucket_name must be a name Cloud Storage accepts: not beginning with goog, not containing google or g00gle."
+  }
 }
 
 variable "force_destroy" {
