@@ -282,7 +282,14 @@ def test_a_runbook_url_of_the_alerts_section_itself_links_each_alerts_heading() 
 
 @pytest.mark.parametrize(
     "selector",
-    ['job="spotjob"', ' job =~ "spot.*" , namespace!="ml", ', "job='spotjob'", "job=`spotjob`", '"odd.name"!~"x"'],
+    [
+        'job="spotjob"',
+        ' job =~ "spot.*" , cluster!="ml", ',
+        "job='spotjob'",
+        "job=`spotjob`",
+        '"odd.name"!~"x"',
+        'job="spotjob",kubernetes_namespace="monitoring",pod=~"a,namespace=b"',
+    ],
 )
 def test_a_selector_of_promql_label_matchers_reaches_every_rule_as_valid_promql(selector: str) -> None:
     """Any list of PromQL matchers (the four operators, the three quotes, a quoted UTF-8 name, a
@@ -306,7 +313,28 @@ def test_a_selector_that_is_no_list_of_promql_matchers_fails_the_render_naming_i
     assert proc.returncode != 0
     said = f"metrics.prometheusRule.selector {json.dumps(selector)} is no list of PromQL label matchers"
     assert said in proc.stderr, proc.stderr
-    assert 'e.g. job="spotjob",namespace="monitoring"' in proc.stderr
+    assert 'e.g. job="spotjob"' in proc.stderr and 'namespace="monitoring"' not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "selector",
+    [
+        'job="spotjob",namespace="monitoring"',
+        'namespace=~"monitoring|ml"',
+        ' job="spotjob" , namespace != "ml"',
+        '"namespace"="monitoring"',
+    ],
+)
+def test_a_selector_that_matches_on_namespace_fails_the_render_naming_why(selector: str) -> None:
+    """The selector goes into the per-job alerts too, whose series carry each SpotJob's own
+    namespace (honor_labels, which the README requires), not the controller's: with
+    ``job="spotjob",namespace="monitoring"``, the example the chart's own error message gave, all
+    eight per-job alerts selected nothing, and nothing said so. Found walking the chart as a user."""
+    proc = template({"metrics": {"prometheusRule": {"enabled": True, "selector": selector}}})
+    assert proc.returncode != 0
+    said = f"metrics.prometheusRule.selector {json.dumps(selector)} matches on namespace"
+    assert said in proc.stderr, proc.stderr
+    assert "each SpotJob's own namespace" in proc.stderr and 'job="spotjob"' in proc.stderr, proc.stderr
 
 
 def test_the_flush_request_outcomes_exported_at_zero_are_the_answers_an_agent_gives() -> None:
