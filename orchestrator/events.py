@@ -11,7 +11,7 @@ Homes:
   the Node when one is named) and ``orchestrator.k8s.metrics.ControllerMetrics`` (Prometheus).
 - Local mode: ``JsonlEventSink`` appends one JSON line per Event to ``<name>.events.jsonl`` next
   to the job's file in the store's folder, and logs it; ``spotjob status`` and the live view read
-  them back with ``read_events`` (repeats of one Event coalesced into a count). Metrics:
+  them back with ``read_events`` (repeats of one Event counted on it, as on Kubernetes). Metrics:
   ``NULL_METRICS``.
 
 Neither an ``EventSink`` nor a ``JobMetrics`` may raise into the reconciler: a failure to tell is
@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -217,6 +218,10 @@ class LoggingEventSink:
 
 EVENTS_SUFFIX = ".events.jsonl"
 
+SERIES_WINDOW_SECONDS = 3600.0
+"""A repeat of an Event at most this long after its last occurrence is counted on it; a later one
+is a new Event (the Kubernetes recorder's series window, which local mode's reading matches)."""
+
 
 def events_path(root: str, key: JobKey) -> str:
     """Where ``JsonlEventSink(root)`` keeps the Events of ``key``: beside the job's store file."""
@@ -266,17 +271,20 @@ class RecordedEvent:
 
 
 def read_events(path: str) -> list[RecordedEvent]:
-    """The Events of a ``JsonlEventSink`` file, oldest first; consecutive repeats of one Event
-    (same type, reason, node and ``event_identity`` of the reason and message) become one with a count and
-    the latest message. A torn or foreign line is skipped; a missing file is no Events."""
-    out: list[RecordedEvent] = []
+    """The Events of a ``JsonlEventSink`` file, oldest first by their latest occurrence, as
+    ``kubectl spotjob events`` lists them; repeats of one Event (same type, reason, node and
+    ``event_identity`` of the reason and message), whatever came between, become one with a count
+    and the latest message, as the Kubernetes recorder counts them (a repeat more than
+    ``SERIES_WINDOW_SECONDS`` after the last is a new Event). A torn or foreign line is skipped; a
+    missing file is no Events."""
     try:
         with open(path) as f:
             lines = f.read().splitlines()
     except FileNotFoundError:
-        return out
-    _add_lines(out, lines)
-    return out
+        return []
+    events = _Events()
+    events.add_lines(lines)
+    return events.list()
 
 
 class EventLog:
@@ -288,57 +296,73 @@ class EventLog:
     def __init__(self, path: str) -> None:
         self.path = path
         self._offset = 0
-        self._events: list[RecordedEvent] = []
+        self._events = _Events()
 
     def read(self) -> list[RecordedEvent]:
         """Every Event so far, as ``read_events`` gives them. Raises ``OSError`` (not for a missing file)."""
         try:
             with open(self.path, "rb") as f:
                 if os.fstat(f.fileno()).st_size < self._offset:
-                    self._offset, self._events = 0, []
+                    self._offset, self._events = 0, _Events()
                 f.seek(self._offset)
                 data = f.read()
         except FileNotFoundError:
-            self._offset, self._events = 0, []
+            self._offset, self._events = 0, _Events()
             return []
         whole = data.rfind(b"\n") + 1  # a line still being written is read once it is whole
-        _add_lines(self._events, data[:whole].decode(errors="replace").splitlines())
+        self._events.add_lines(data[:whole].decode(errors="replace").splitlines())
         self._offset += whole
-        return list(self._events)
+        return self._events.list()
 
 
-def _add_lines(out: list[RecordedEvent], lines: list[str]) -> None:
-    """Append the Events of ``lines`` to ``out``, a repeat of the last one counted on it."""
-    for line in lines:
-        try:
-            raw = json.loads(line)
-            event = RecordedEvent(
-                time=datetime.fromisoformat(raw["time"]),
-                first_time=datetime.fromisoformat(raw["time"]),
-                type=EventType(raw["type"]),
-                reason=str(raw["reason"]),
-                message=str(raw["message"]),
-                node=raw.get("node"),
-            )
-        except (ValueError, KeyError, TypeError):
-            continue
-        last = out[-1] if out else None
-        if last is not None and (last.type, last.reason, event_identity(last.reason, last.message), last.node) == (
-            event.type,
-            event.reason,
-            event_identity(event.reason, event.message),
-            event.node,
-        ):
-            # The same fault again: counted on the one Event, which shows the latest words.
-            out[-1] = RecordedEvent(
-                event.time, last.first_time, last.type, last.reason, event.message, last.node, last.count + 1
-            )
-        else:
-            out.append(event)
+class _Events:
+    """Recorded Events in the order of their latest occurrence, each repeat counted on its Event."""
+
+    def __init__(self) -> None:
+        # By (type, reason, node, identity, first time): a repeat moves its Event to the end.
+        self._events: OrderedDict[tuple[object, ...], RecordedEvent] = OrderedDict()
+        self._latest: dict[tuple[object, ...], datetime] = {}  # identity -> first time of its latest Event
+
+    def add_lines(self, lines: list[str]) -> None:
+        for line in lines:
+            try:
+                raw = json.loads(line)
+                event = RecordedEvent(
+                    time=datetime.fromisoformat(raw["time"]),
+                    first_time=datetime.fromisoformat(raw["time"]),
+                    type=EventType(raw["type"]),
+                    reason=str(raw["reason"]),
+                    message=str(raw["message"]),
+                    node=raw.get("node"),
+                )
+            except (ValueError, KeyError, TypeError):
+                continue
+            identity = (event.type, event.reason, event.node, event_identity(event.reason, event.message))
+            first = self._latest.get(identity)
+            last = self._events.get((*identity, first)) if first is not None else None
+            if last is not None and _seconds(event.time, last.time) <= SERIES_WINDOW_SECONDS:
+                # The same fault again: counted on the one Event, which shows the latest words.
+                self._events[(*identity, first)] = RecordedEvent(
+                    event.time, last.first_time, last.type, last.reason, event.message, last.node, last.count + 1
+                )
+                self._events.move_to_end((*identity, first))
+            else:
+                self._latest[identity] = event.first_time
+                self._events[(*identity, event.first_time)] = event
+
+    def list(self) -> list[RecordedEvent]:
+        return list(self._events.values())
+
+
+def _seconds(later: datetime, earlier: datetime) -> float:
+    """``later - earlier`` in seconds; a time without a zone (a hand-written line) is taken as UTC."""
+    later, earlier = (t if t.tzinfo else t.replace(tzinfo=UTC) for t in (later, earlier))
+    return (later - earlier).total_seconds()
 
 
 __all__ = [
     "NULL_METRICS",
+    "SERIES_WINDOW_SECONDS",
     "VOLATILE_ERROR_REASONS",
     "EventLog",
     "EventSink",

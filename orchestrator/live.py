@@ -97,7 +97,7 @@ class Snapshot:
     notices_sent: int
     notices: list[NoticeView] = field(default_factory=list)
     events: Sequence[RecordedEvent] = ()
-    """The job's Events so far, oldest first."""
+    """The job's Events so far, oldest first by their latest occurrence."""
     cloud: str = "aws"
     """The cloud the run simulates (``spotjob run --cloud``)."""
 

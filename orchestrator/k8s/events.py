@@ -37,8 +37,8 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
+from orchestrator.events import SERIES_WINDOW_SECONDS, LoggingEventSink, event_identity
 from orchestrator.events import EventType as JobEventType
-from orchestrator.events import LoggingEventSink, event_identity
 from orchestrator.k8s.api import EVENTS, MIN_KUBERNETES, AlreadyExists, KubeClient, KubeError, NotFound, Object
 from orchestrator.k8s.informer import Cache
 from orchestrator.model import JobKey
@@ -116,7 +116,7 @@ class EventRecorder:
         *,
         instance: str,
         events_namespace_for_cluster_objects: str = "default",
-        series_window: float = 3600.0,
+        series_window: float = SERIES_WINDOW_SECONDS,
         cache_size: int = 4096,
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
         background: bool = False,

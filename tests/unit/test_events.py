@@ -1,4 +1,4 @@
-"""Local mode's Events: a JSON line per Event beside the job, read back with repeats coalesced."""
+"""Local mode's Events: a JSON line per Event beside the job, read back with repeats counted on one Event."""
 
 from __future__ import annotations
 
@@ -217,3 +217,64 @@ def test_two_flush_requests_of_a_user_are_two_events_each_naming_its_own_id(tmp_
     assert [e.count for e in events] == [1, 1, 1, 1]
     for event, request in zip(events, [*ids, *hand_made], strict=True):
         assert f"flush request {request} " in event.message
+
+
+def test_repeats_of_two_events_interleaved_are_two_events_counted_up_in_the_order_of_their_latest(
+    tmp_path: Path,
+) -> None:
+    """Two workers' FlushRequestFailed alternating on each pass (A, B, A, B, A, B) were six Events
+    of count 1: only a repeat of the Event just before was counted on it. On Kubernetes the
+    recorder counts a repeat by its object, type, reason and masked message whatever came between,
+    and ``kubectl spotjob events`` lists them oldest first by their latest occurrence; local mode
+    now does the same. Found walking local mode's Events."""
+    from orchestrator.events import EventLog
+
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    times = iter(start + timedelta(seconds=s) for s in range(100))
+    sink = JsonlEventSink(str(tmp_path), now=lambda: next(times))
+    path = events_path(str(tmp_path), KEY)
+    log = EventLog(path)
+
+    def failed(worker: str, port: int) -> None:
+        message = f"could not ask the agent of {worker} to flush: connection refused (127.0.0.1:{port})"
+        sink.emit(KEY, EventType.WARNING, "FlushRequestFailed", message, node=f"node-{worker}")
+
+    sink.emit(KEY, EventType.NORMAL, "WorkersRunning", "every worker of attempt 0 is running")  # t0
+    for attempt in range(3):  # t1..t6
+        failed("train-0-0", 40000 + attempt)
+        failed("train-0-1", 40000 + attempt)
+        if attempt == 0:
+            assert [(e.reason, e.count) for e in log.read()] == [
+                ("WorkersRunning", 1), ("FlushRequestFailed", 1), ("FlushRequestFailed", 1)
+            ]  # fmt: skip
+    failed("train-0-0", 40003)  # t7: A's latest is now after B's
+
+    events = read_events(path)
+
+    assert [(e.reason, e.node, e.count) for e in events] == [
+        ("WorkersRunning", None, 1),
+        ("FlushRequestFailed", "node-train-0-1", 3),
+        ("FlushRequestFailed", "node-train-0-0", 4),
+    ]
+    b, a = events[1:]
+    assert (b.first_time, b.time) == (start + timedelta(seconds=2), start + timedelta(seconds=6))
+    assert (a.first_time, a.time) == (start + timedelta(seconds=1), start + timedelta(seconds=7))
+    assert "127.0.0.1:40003" in a.message and "127.0.0.1:40002" in b.message  # the latest words
+    assert log.read() == events  # read a little at a time, the same
+
+
+def test_a_repeat_later_than_the_series_window_after_the_last_is_a_new_event(tmp_path: Path) -> None:
+    """As on Kubernetes, whose recorder starts a new Event for a repeat more than its series
+    window (an hour) after the last one."""
+    from orchestrator.events import SERIES_WINDOW_SECONDS
+
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    seconds = iter([0, SERIES_WINDOW_SECONDS, 2 * SERIES_WINDOW_SECONDS + 1, 2 * SERIES_WINDOW_SECONDS + 2])
+    sink = JsonlEventSink(str(tmp_path), now=lambda: start + timedelta(seconds=next(seconds)))
+    for _ in range(4):
+        sink.emit(KEY, EventType.WARNING, "StorageUnreachable", "503")
+
+    events = read_events(events_path(str(tmp_path), KEY))
+
+    assert [e.count for e in events] == [2, 2]
+    assert events[1].first_time == start + timedelta(seconds=2 * SERIES_WINDOW_SECONDS + 1)
