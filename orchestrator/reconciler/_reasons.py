@@ -51,9 +51,11 @@ FLUSH_FAILED = Reason(
     "FlushFailed", "the agent of {worker} exited 76: its flush committed nothing{detail}", warning=True
 )
 FLUSH_COMMITTED = Reason("FlushCommitted", "step {step} committed at {uri} {after}")
-"""``after``: ``FLUSH_AFTER_NOTICE``, or ``FLUSH_UNWATCHED`` for a flush committed before the pass
-that saw its notice (or the worker's loss): how long it took is not known here."""
+"""``after``: ``FLUSH_AFTER_NOTICE``, ``FLUSH_AFTER_REQUEST`` for a flush a person asked for (no
+notice came), or ``FLUSH_UNWATCHED`` for a flush committed before the pass that saw its notice (or
+the worker's loss): how long it took is not known here."""
 FLUSH_AFTER_NOTICE = "{seconds:.1f}s after the notice"
+FLUSH_AFTER_REQUEST = "{seconds:.1f}s after the request"
 FLUSH_UNWATCHED = (
     "while nothing watched: its agent flushed before the reconciler saw the notice, so how long after it "
     "is not known here (the agent's log says, `from notice to commit`)"

@@ -95,6 +95,7 @@ from orchestrator.reconciler._reasons import (
     CHECKPOINT_URI_OWNED,
     COMPLETED,
     FLUSH_AFTER_NOTICE,
+    FLUSH_AFTER_REQUEST,
     FLUSH_COMMITTED,
     FLUSH_FAILED,
     FLUSH_REQUEST_FAILED,
@@ -331,7 +332,8 @@ class _Recovery(_FlushRequests):
             # requests still in flight first (none is sent anew), so that none goes untold.
             self._ask_to_flush(p, recovery, running, in_flight_only=True)
             seconds = (p.now - recovery.detected_at).total_seconds()
-            after = FLUSH_AFTER_NOTICE.format(seconds=seconds) if _watched(p, recovery) else FLUSH_UNWATCHED
+            since = FLUSH_AFTER_REQUEST if recovery.cause is Cause.REQUESTED else FLUSH_AFTER_NOTICE
+            after = since.format(seconds=seconds) if _watched(p, recovery) else FLUSH_UNWATCHED
             self._enter_rescheduling(p, FLUSH_COMMITTED, step=step, uri=p.status.last_checkpoint.uri, after=after)
             return None
         if not running:

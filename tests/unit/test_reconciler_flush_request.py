@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from datetime import timedelta
 from typing import Any
 
@@ -74,6 +75,22 @@ def test_a_restart_request_flushes_every_agent_and_restarts_from_the_commit_coun
     for reason in ("FlushRequestedByUser", "FlushCommitted", "Rescheduled", "FlushRequestCommitted"):
         assert reason in reasons, reasons
     assert w.metrics.named("preemption") == [] and w.metrics.named("notice_to_commit") == []
+
+
+def test_the_flush_of_a_restart_request_is_told_committed_after_the_request_not_after_a_notice(
+    tmp_path: Any,
+) -> None:
+    """FlushCommitted said "step N committed at ... 1.0s after the notice" for the flush a person
+    asked for, which had no notice. Found walking the metrics and Events as a user."""
+    w, store = request_world(tmp_path, backend_options={"flush_seconds": 3.0})
+    w.run_to(100)
+    ask(store, "r-1", "restart")
+
+    w.run_until(running_attempt(1))
+
+    [told] = [e for e in w.events.emitted if e.reason == "FlushCommitted"]
+    assert re.fullmatch(r"step \d+ committed at file://\S+ \d+\.\ds after the request", told.message), told.message
+    assert "notice" not in told.message
 
 
 def test_a_restart_whose_flush_reused_the_scripts_own_save_is_committed(tmp_path: Any) -> None:
@@ -205,6 +222,8 @@ def test_a_notice_during_a_requested_restart_makes_it_a_preemption(tmp_path: Any
     assert status.preemptions == 1 and status.restart_history[-1].cause is Cause.PREEMPTION
     assert [a.value for a in status.avoid] == ["n0"], "the node going away is avoided"
     assert status.last_flush_request is not None and status.last_flush_request.outcome == "Committed"
+    [told] = [e for e in w.events.emitted if e.reason == "FlushCommitted"]
+    assert "after the notice" in told.message, told.message
 
 
 def test_a_request_written_while_another_is_in_progress_waits_for_it_and_loses_nothing(tmp_path: Any) -> None:
