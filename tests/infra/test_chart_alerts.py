@@ -341,3 +341,27 @@ def test_the_flush_request_outcomes_exported_at_zero_are_the_answers_an_agent_gi
     from orchestrator.k8s.metrics import FLUSH_REQUEST_OUTCOMES
 
     assert set(FLUSH_REQUEST_OUTCOMES) == {str(o) for o in FlushRequestOutcome} - {"pending"}
+
+
+def test_not_running_keeps_one_for_clock_per_job_through_every_phase_that_is_not_running() -> None:
+    """SpotJobNotRunning was ``spotjob_job_phase{phase=~"Pending|Rescheduling"} == 1``: its alerts
+    were keyed by ``phase`` too, and Prometheus keeps a ``for:`` clock per alert, so a job going from
+    Pending to Rescheduling (a gang that could not start, stopped and tried again) and back started
+    a new clock each time, and the alert fired late or never. Found walking the alerts as a user.
+    Now one series per job (the labels Prometheus keys the clock on: ``namespace`` and ``name``
+    only), 1 whichever phase short of Running and of an end the job is in."""
+    rule = alert_rules(render(ON))["SpotJobNotRunning"]
+    expr = promql_parser.parse(rule["expr"])
+
+    assert isinstance(expr, promql_parser.BinaryExpr) and isinstance(expr.lhs, promql_parser.AggregateExpr), expr
+    aggregated = expr.lhs
+    assert str(aggregated.op) == "max" and aggregated.modifier is not None
+    assert aggregated.modifier.type == promql_parser.AggModifierType.By
+    assert sorted(aggregated.modifier.labels) == ["name", "namespace"]
+    assert str(expr.op) == "==" and str(expr.rhs) == "1"
+    ((metric, _),) = selectors(rule["expr"])
+    (phase,) = [m for m in aggregated.expr.matchers.matchers if m.name == "phase"]
+    assert metric == "spotjob_job_phase" and phase.op == promql_parser.MatchOp.Re
+    ended = {Phase.RUNNING, Phase.SUCCEEDED, Phase.FAILED}
+    assert set(phase.value.split("|")) == {p.value for p in Phase} - {p.value for p in ended}
+    assert "$labels.phase" not in rule["annotations"]["description"], "the alert has no phase label"
