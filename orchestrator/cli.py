@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import cast
 
 from agent.streams import ENV_LOG_FORMAT, log_format, log_to_stderr, tolerate_unencodable_output
 from agent.version import version_line
@@ -29,11 +30,55 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """A command's parser. A positional followed by a ``REMAINDER`` one (``spotjob run SCRIPT ARGS``)
+    splits the command line: what follows the first is the second's as given. argparse dropped the
+    first ``--`` of it (``train.py -- --x`` ran ``train.py --x``); a ``--`` before SCRIPT still ends
+    the command's options."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        given = list(sys.argv[1:] if args is None else args)
+        positionals = [a for a in self._actions if not a.option_strings]
+        rest = positionals[-1] if len(positionals) > 1 and positionals[-1].nargs == argparse.REMAINDER else None
+        at = None if rest is None else self._first_positional(given)
+        if rest is None or at is None:
+            return super().parse_known_args(given, namespace)
+        parsed, extras = super().parse_known_args(given[: at + 1], namespace)
+        setattr(parsed, rest.dest, given[at + 1 :])
+        return parsed, extras
+
+    def _first_positional(self, given: list[str]) -> int | None:
+        """The index of the first argument that is neither an option nor an option's value."""
+        i = 0
+        while i < len(given):
+            arg = given[i]
+            if arg == "--":
+                return i + 1 if i + 1 < len(given) else None
+            if not arg.startswith("-") or arg == "-":
+                return i
+            i += 1
+            if "=" in arg:  # --option=value
+                continue
+            action = self._option_string_actions.get(arg)
+            if action is None and arg.startswith("--"):  # argparse takes a long option's unique prefix
+                found = {a for o, a in self._option_string_actions.items() if o.startswith(arg)}
+                action = found.pop() if len(found) == 1 else None
+            if action is not None and action.nargs != 0:  # its value; an unknown option argparse refuses
+                i += 1
+        return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spotjob", description="Preemption-proof PyTorch training on spot capacity.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--version", action="version", version=version_line("spotjob"))
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    # Typed as what the commands register on: a _CommandParser is an ArgumentParser.
+    sub: argparse._SubParsersAction[argparse.ArgumentParser] = cast(
+        "argparse._SubParsersAction[argparse.ArgumentParser]",
+        parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_CommandParser),
+    )
     from orchestrator import cli_ckpt
 
     cli_ckpt.register(sub)

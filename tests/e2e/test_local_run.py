@@ -184,6 +184,21 @@ def started_lines(run_path: Path) -> list[str]:
     return [line for text in texts for line in text.splitlines() if "agent.launcher: started" in line]
 
 
+# -- the script's arguments ----------------------------------------------------------------------
+
+
+def test_the_script_gets_every_argument_after_it_as_given(
+    tmp_path: Path, spotjob: Callable[..., subprocess.CompletedProcess[str]]
+) -> None:
+    """`spotjob run train.py -- --x` ran `train.py --x`: argparse dropped the script's own `--`."""
+    script = tmp_path / "argv.py"
+    script.write_text("import json, sys\nopen(sys.argv[0] + '.json', 'w').write(json.dumps(sys.argv[1:]))\n")
+    said = tmp_path / "argv.py.json"
+    proc = spotjob("run", "--nproc", "1", "--no-live", str(script), "--", "--x", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert json.loads(said.read_text()) == ["--", "--x"]
+
+
 # -- a crashing script --------------------------------------------------------------------------
 
 

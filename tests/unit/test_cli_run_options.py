@@ -1036,3 +1036,24 @@ def test_two_runs_whose_default_names_meet_each_get_one_of_their_own(
             run.close()
     with pytest.raises(RunExistsError):
         cli_run.prepare(build_parser().parse_args(["run", "--name", "train-20261207-141226", *argv[1:]]))
+
+
+@pytest.mark.parametrize(
+    ("given", "script", "args"),
+    [
+        (["train.py", "--", "--x"], "train.py", ["--", "--x"]),
+        (["train.py", "--steps", "3", "--name", "n"], "train.py", ["--steps", "3", "--name", "n"]),
+        (["--nproc", "1", "--no-live", "train.py", "--", "--", "-v"], "train.py", ["--", "--", "-v"]),
+        (["--plot=t.png", "--no-l", "--nam", "n", "--", "train.py", "--", "--x"], "train.py", ["--", "--x"]),
+        (["--", "--odd.py", "--x"], "--odd.py", ["--x"]),
+        (["--nproc", "1", "train.py"], "train.py", []),
+    ],
+)
+def test_everything_after_the_script_is_the_scripts_as_given(given: list[str], script: str, args: list[str]) -> None:
+    """argparse's REMAINDER dropped the script's own first `--` (`train.py -- --x` ran `train.py
+    --x`); a `--` before SCRIPT still ends spotjob's options."""
+    from orchestrator.cli import build_parser
+
+    parsed = build_parser().parse_args(["run", *given])
+
+    assert (parsed.script, parsed.args) == (script, args)
