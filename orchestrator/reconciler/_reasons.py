@@ -61,14 +61,16 @@ FLUSH_UNWATCHED = (
     "is not known here (the agent's log says, `from notice to commit`)"
 )
 WORKERS_EXITED = Reason(
-    "WorkersExited",
-    "no worker is left to flush and nothing newer than {baseline} was committed; resuming from {resume}",
+    "WorkersExited", "no worker is left to flush and {nothing} was committed{meanwhile}; resuming from {resume}"
 )
 FLUSH_TIMED_OUT = Reason(
     "FlushTimedOut",
-    "nothing newer than {baseline} committed within {timeout:.0f}s; resuming from {resume}{workers}",
+    "{nothing} committed within {timeout:.0f}s{meanwhile}; resuming from {resume}{workers}",
     warning=True,
 )
+"""``nothing`` and ``meanwhile`` (``_recovery._committed_instead``): "nothing newer than step N",
+"nothing" with no checkpoint before the notice, or "no flush" and " (a save committed step M
+meanwhile)" when a save that is not the flush committed a newer step, which the job resumes from."""
 RESCHEDULED = Reason(
     "Rescheduled", "stopped attempt {attempt} ({cause}); attempt {next} starts in {delay:.0f}s, avoiding {avoid}"
 )

@@ -313,7 +313,6 @@ class _Recovery(_FlushRequests):
             self._finish(p, Phase.SUCCEEDED, COMPLETED, seen=_seen(p.status.attempt.observed_step))
             return None
         running = [w for w in current if w.phase is WorkerPhase.RUNNING]
-        baseline = f"step {recovery.baseline_step}" if recovery.baseline_step is not None else "nothing"
         step = p.checkpoint_step
         # Every worker of the gang exited 75 (flushed) and no flush manifest followed: the agents
         # found their flush step committed already (the script's own save of it) and wrote nothing
@@ -336,8 +335,9 @@ class _Recovery(_FlushRequests):
             after = since.format(seconds=seconds) if _watched(p, recovery) else FLUSH_UNWATCHED
             self._enter_rescheduling(p, FLUSH_COMMITTED, step=step, uri=p.status.last_checkpoint.uri, after=after)
             return None
+        committed = _committed_instead(recovery.baseline_step, step)
         if not running:
-            self._enter_rescheduling(p, WORKERS_EXITED, baseline=baseline, resume=p.resume_point())
+            self._enter_rescheduling(p, WORKERS_EXITED, **committed, resume=p.resume_point())
             return None
         assert recovery.flush_timeout_at is not None
         now = self._flush_now(p, recovery.detected_at)
@@ -345,7 +345,7 @@ class _Recovery(_FlushRequests):
             self._enter_rescheduling(
                 p,
                 FLUSH_TIMED_OUT,
-                baseline=baseline,
+                **committed,
                 timeout=p.spec.flush_timeout_seconds,
                 resume=p.resume_point(),
                 workers=_flush_progress(running),
@@ -735,6 +735,18 @@ _RANKS_SAID = {
     "flushing": "its ranks took the flush and wait for it to commit",
     "flush-failed": "its ranks' flush failed",
 }
+
+
+def _committed_instead(baseline_step: int | None, step: int | None) -> dict[str, str]:
+    """What WorkersExited and FlushTimedOut say was committed in place of the flush: nothing newer
+    than the checkpoint before the notice, nothing at all, or a save's newer step, which is not the
+    flush but is what the job resumes from (it said "nothing newer than step 58 was committed;
+    resuming from step 60")."""
+    if step is not None and (baseline_step is None or step > baseline_step):
+        return {"nothing": "no flush", "meanwhile": f" (a save committed step {step} meanwhile)"}
+    if baseline_step is None:
+        return {"nothing": "nothing", "meanwhile": ""}
+    return {"nothing": f"nothing newer than step {baseline_step}", "meanwhile": ""}
 
 
 def _flush_progress(running: list[WorkerObservation]) -> str:

@@ -298,6 +298,48 @@ def test_a_periodic_save_committed_during_the_flush_is_not_taken_for_the_flush(t
     assert status.last_checkpoint is not None and status.last_checkpoint.step == 200
 
 
+@pytest.mark.parametrize(
+    ("baseline", "save", "ends", "said"),
+    [
+        (50, 200, "exit", "no worker is left to flush and no flush was committed (a save committed step 200 "
+         "meanwhile); resuming from step 200"),
+        (None, None, "exit", "no worker is left to flush and nothing was committed; resuming from scratch"),
+        (50, None, "exit", "no worker is left to flush and nothing newer than step 50 was committed; resuming "
+         "from step 50"),
+        (50, 200, "timeout", "no flush committed within 30s (a save committed step 200 meanwhile); resuming from "
+         "step 200"),
+        (None, None, "timeout", "nothing committed within 30s; resuming from scratch"),
+        (50, None, "timeout", "nothing newer than step 50 committed within 30s; resuming from step 50"),
+    ],
+)  # fmt: skip
+def test_a_flush_that_committed_nothing_says_what_was_committed_and_where_the_job_resumes(
+    tmp_path: Any, baseline: int | None, save: int | None, ends: str, said: str
+) -> None:
+    """WorkersExited said "nothing newer than step 58 was committed; resuming from step 60" when a
+    periodic save committed step 60 during the flush, and "nothing newer than nothing" with no
+    checkpoint; FlushTimedOut shared the words."""
+    w = make_world(tmp_path, backend_options={"flush_outcome": "hang"})
+    w.run_to(60)
+    if baseline is not None:
+        commit_checkpoint(w.storage, baseline, w.clock.now())
+    preempt_running_job(w)
+    w.run_until(phase_is(Phase.FLUSHING))
+    if save is not None:
+        commit_checkpoint(w.storage, save, w.clock.now(), trigger="policy")
+    if ends == "exit":  # the nodes died before the flush: no agent is left to commit it
+        w.backend.exit(0, 0, 137)
+        w.backend.exit(0, 1, 137)
+
+    status = w.run_until(phase_is(Phase.RESCHEDULING))
+
+    flushing = status.condition("Flushing")
+    assert flushing is not None
+    assert (flushing.reason, flushing.message.split("; not committed by")[0]) == (
+        "WorkersExited" if ends == "exit" else "FlushTimedOut",
+        said,
+    )
+
+
 def test_a_flush_that_reused_the_scripts_own_save_of_its_step_is_the_flush(tmp_path: Any) -> None:
     """The script's ``save()`` of the flush step committed (``trigger: save``) after the notice, and
     the agents' flush, finding that step committed, wrote nothing more and exited 75: that save is
