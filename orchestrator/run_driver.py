@@ -148,7 +148,7 @@ class LocalRun(_RunSetup):
                 try:
                     self.store.create(self.key, spec)
                 except JobExistsError:
-                    raise RunExistsError(self._exists_message()) from None
+                    raise RunExistsError(self._exists_message(locked=True)) from None
                 self._made = True
                 # Without it, --resume would simulate AWS: the run is not made (below).
                 write_cloud(self.path, config.cloud)

@@ -29,6 +29,7 @@ from orchestrator.events import EventType, JsonlEventSink
 from orchestrator.model import JobKey, JobSpec, JobStatus
 from orchestrator.run_config import RunConfig, name_problem
 from orchestrator.run_folder import (
+    DriverLock,
     hand_over_commands,
     job_file_gone_advice,
     job_file_gone_problem,
@@ -237,12 +238,28 @@ class _RunSetup:
     timeline: Timeline
     sink: JsonlEventSink
 
-    def _exists_message(self) -> str:
-        return (
-            f"a run named {self.name!r} exists in {self.path}: resume it with "
-            f"`spotjob run{runs_dir_option(self.config.runs_dir)} --resume {self.name}`, "
-            "or pick another --name"
-        )
+    def _exists_message(self, *, locked: bool = False) -> str:
+        """What to do about the run that has the name: it always said to resume it, which ``--resume``
+        refuses of a run that ended and of one another spotjob run drives. ``locked``: this process
+        holds the run's driver lock (the run was stored as it took it), so no other drives it."""
+        taken = f"a run named {self.name!r} exists in {self.path}"
+        runs_dir = runs_dir_option(self.config.runs_dir)
+        try:
+            stored = self.store.get(self.key)
+        except StoreError:
+            stored = None  # unreadable: --resume says why
+        status = stored.status if stored is not None else None
+        if status is not None and status.phase.terminal:
+            why = f" ({status.reason})" if status.reason else ""
+            return f"{taken} and {status.phase.value.lower()} already{why}: pick another --name"
+        pid = None if locked else DriverLock.holder(self.path)
+        if pid is not None:
+            by = f"pid {pid}" if pid else "another process"
+            return (
+                f"{taken} and is running, driven by {by}: watch it with `spotjob status{runs_dir} {self.name}`, "
+                "or pick another --name"
+            )
+        return f"{taken}: resume it with `spotjob run{runs_dir} --resume {self.name}`, or pick another --name"
 
     def _refuse_existing(self) -> None:
         if os.path.exists(self.store.path(self.key)):

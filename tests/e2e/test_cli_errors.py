@@ -316,7 +316,8 @@ def spotjob_run(forker: subprocess.Popen[str], cwd: Path, *args: str) -> subproc
 def test_a_run_name_that_is_taken_is_refused_naming_resume_and_its_folder_is_left_as_it_was(
     tmp_path: Path, forker: subprocess.Popen[str]
 ) -> None:
-    folder = make_run(tmp_path / "spotjob-runs", "taken")
+    # A run whose driver was killed: one that ended is refused with nothing to resume (test_cli_run_options).
+    folder = make_run(tmp_path / "spotjob-runs", "taken", Phase.RESCHEDULING)
     before = snapshot(folder)
 
     proc = spotjob_run(forker, tmp_path, "--name", "taken", str(TRAIN))

@@ -120,12 +120,14 @@ def test_the_commands_a_run_suggests_name_its_runs_dir_when_it_is_not_the_defaul
             [tool("spotjob"), *args], cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120
         )
 
-    again = spotjob("run", "--runs-dir", str(runs), "--name", "done", str(TRAIN))
+    again = spotjob("run", "--runs-dir", str(runs), "--name", "gone", str(TRAIN))
     assert again.returncode == 2, again.stderr
     suggested = re.search(r"resume it with `(spotjob run [^`]+)`", again.stderr)
     assert suggested is not None, again.stderr
-    resumed = spotjob(*shlex.split(suggested.group(1))[1:])  # "succeeded already", not "no run named"
-    assert resumed.returncode == 2 and "succeeded already" in resumed.stderr, (suggested.group(1), resumed.stderr)
+    assert shlex.split(suggested.group(1)) == ["spotjob", "run", "--runs-dir", str(runs), "--resume", "gone"]
+    # A run that ended is not to be resumed: its name's refusal says so, and suggests no command.
+    ended = spotjob("run", "--runs-dir", str(runs), "--name", "done", str(TRAIN))
+    assert ended.returncode == 2 and "succeeded already" in ended.stderr and "`" not in ended.stderr, ended.stderr
 
     shown = spotjob("status", "--runs-dir", str(runs), "gone")
     assert shown.returncode == 0, shown.stderr

@@ -1057,3 +1057,47 @@ def test_everything_after_the_script_is_the_scripts_as_given(given: list[str], s
     parsed = build_parser().parse_args(["run", *given])
 
     assert (parsed.script, parsed.args) == (script, args)
+
+
+@pytest.mark.parametrize(
+    ("left", "said"),
+    [
+        ("made", "resume it with `spotjob run --runs-dir {runs} --resume taken`, or pick another --name"),
+        ("succeeded", "and succeeded already (Completed): pick another --name"),
+        ("failed", "and failed already (RestartBudgetExhausted): pick another --name"),
+        ("driven", "and is running, driven by pid {pid}: watch it with `spotjob status --runs-dir {runs} taken`, or "
+         "pick another --name"),
+    ],
+)  # fmt: skip
+def test_a_name_taken_is_refused_with_what_can_be_done_with_the_run_that_has_it(
+    tmp_path: Path, left: str, said: str
+) -> None:
+    """The refusal always said to resume the run, which --resume then refused for a run that
+    ended (nothing to resume) or one another spotjob run drives."""
+    from orchestrator.model import JobKey, JobStatus, Phase
+    from orchestrator.run_driver import LocalRun
+    from orchestrator.run_setup import RunExistsError
+    from orchestrator.store import JsonFileJobStore
+
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    runs = tmp_path / "runs"
+    config = RunConfig(script=str(script), args=[], name="taken", runs_dir=str(runs), nproc=1)
+    first = LocalRun(config)
+    try:
+        if left != "driven":
+            first.close()
+        if left in ("succeeded", "failed"):
+            store = JsonFileJobStore(str(runs / "taken"), create=False)
+            stored = store.get(JobKey.local("taken"))
+            assert stored is not None
+            reason, message = ("Completed", "done") if left == "succeeded" else ("RestartBudgetExhausted", "crashed")
+            status = JobStatus(phase=Phase(left.capitalize()), reason=reason, message=message)
+            store.update_status(JobKey.local("taken"), status, version=stored.version)
+        with pytest.raises(RunExistsError) as refused:
+            LocalRun(config)
+    finally:
+        first.close()
+
+    assert str(refused.value).startswith(f"a run named 'taken' exists in {runs / 'taken'}"), refused.value
+    assert str(refused.value).endswith(said.format(runs=runs, pid=os.getpid())), refused.value
