@@ -110,15 +110,20 @@ def _ago(when: datetime | None, now: datetime | None = None) -> str:
     seconds = ((now or datetime.now(UTC)) - when).total_seconds()
     if seconds < -60:
         # Written by a clock ahead of this one (another machine's): not a negative age.
-        return f"{-seconds / 60:.0f} min ahead of this clock"
-    seconds = max(0.0, seconds)
+        return f"{_span(-seconds)} ahead of this clock"
+    return f"{_span(max(0.0, seconds))} ago"
+
+
+def _span(seconds: float) -> str:
+    """A length of time in s, min, h or d, as ages are said (and times ahead: those were always in
+    minutes, 4320 of them for three days)."""
     if seconds < 120:
-        return f"{seconds:.0f} s ago"
+        return f"{seconds:.0f} s"
     if seconds < 120 * 60:
-        return f"{seconds / 60:.0f} min ago"
+        return f"{seconds / 60:.0f} min"
     if seconds < 48 * 3600:
-        return f"{seconds / 3600:.0f} h ago"
-    return f"{seconds / 86400:.0f} d ago"
+        return f"{seconds / 3600:.0f} h"
+    return f"{seconds / 86400:.0f} d"
 
 
 def _utc(when: datetime) -> str:

@@ -115,3 +115,28 @@ def test_a_runs_default_name_is_stamped_in_utc(far_zone: None) -> None:
     after = datetime.now(UTC)
     stamp = datetime.strptime(name.removeprefix("train-"), "%Y%m%d-%H%M%S").replace(tzinfo=UTC)
     assert before <= stamp <= after, (before, name, after)
+
+
+@pytest.mark.parametrize(
+    ("seconds", "said"),
+    [
+        (30, "30 s ago"),
+        (90 * 60, "90 min ago"),
+        (5 * 3600, "5 h ago"),
+        (3 * 86400, "3 d ago"),
+        (-30, "0 s ago"),  # within a minute: the clocks of two machines, not a time ahead
+        (-90, "90 s ahead of this clock"),
+        (-10 * 60, "10 min ahead of this clock"),
+        (-5 * 3600, "5 h ahead of this clock"),
+        (-3 * 86400, "3 d ahead of this clock"),
+    ],
+)
+def test_a_time_ahead_of_this_clock_is_said_in_the_units_of_an_age(seconds: float, said: str) -> None:
+    """Ages are in s, min, h or d (README); a time ahead was always in minutes ("4320 min ahead of
+    this clock" for three days)."""
+    from datetime import timedelta
+
+    from orchestrator.live import _ago
+
+    now = datetime(2030, 1, 1, tzinfo=UTC)
+    assert _ago(now - timedelta(seconds=seconds), now) == said
