@@ -97,11 +97,23 @@ log = logging.getLogger(__name__)
 # -- spotjob run ----------------------------------------------------------------------------------
 
 
+_STAMP = len("-yyyymmdd-hhmmss")
+"""The end of a default name: its time."""
+
+
 def default_name(script: str) -> str:
     """``<script stem>-<yyyymmdd-hhmmss>`` (UTC, as every time stored in the run), made a DNS label."""
     stem = re.sub(r"[^a-z0-9-]+", "-", os.path.splitext(os.path.basename(script))[0].lower()).strip("-") or "job"
     suffix = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     return f"{stem[: MAX_NAME_LENGTH - len(suffix) - 1].rstrip('-')}-{suffix}"
+
+
+def _numbered(name: str, again: int) -> str:
+    """A default name chosen again: ``-<again>`` after its time, its stem shortened to make room
+    (cutting the whole name cut the time's seconds: ``...-20261207-2253-2``)."""
+    suffix = f"-{again}"
+    stem, stamp = name[:-_STAMP], name[-_STAMP:]
+    return f"{stem[: MAX_NAME_LENGTH - _STAMP - len(suffix)].rstrip('-')}{stamp}{suffix}"
 
 
 _SPEC_OPTIONS = {
@@ -206,8 +218,7 @@ def prepare(args: argparse.Namespace) -> LocalRun:
             try:
                 return LocalRun(config)
             except RunExistsError:
-                suffix = f"-{again}"
-                config = dataclasses.replace(config, name=base[: MAX_NAME_LENGTH - len(suffix)].rstrip("-") + suffix)
+                config = dataclasses.replace(config, name=_numbered(base, again))
         return LocalRun(config)
     _refuse_empty_runs_dir(args)  # or a run of that name in the working directory was resumed
     if args.script is not None:

@@ -1101,3 +1101,26 @@ def test_a_name_taken_is_refused_with_what_can_be_done_with_the_run_that_has_it(
 
     assert str(refused.value).startswith(f"a run named 'taken' exists in {runs / 'taken'}"), refused.value
     assert str(refused.value).endswith(said.format(runs=runs, pid=os.getpid())), refused.value
+
+
+def test_a_long_default_name_chosen_again_shortens_its_stem_and_keeps_the_whole_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second run of a long-named script in one second was named
+    `abcdefghijklmnopqrstuvwx-20261207-2253-2`: the `-2` took the place of the time's seconds."""
+    import orchestrator.cli_run as cli_run
+    from orchestrator.cli import build_parser
+    from orchestrator.model import MAX_NAME_LENGTH
+
+    script = tmp_path / "abcdefghijklmnopqrstuvwxyz_long_name.py"
+    script.write_text("print('hi')\n")
+    name = cli_run.default_name(str(script))
+    monkeypatch.setattr(cli_run, "default_name", lambda script: name)  # both in one second
+    assert len(name) == MAX_NAME_LENGTH and name.startswith("abcdefghijklmnopqrstuvwx-")
+    argv = ["run", "--no-live", "--runs-dir", str(tmp_path / "runs"), str(script)]
+    made = [cli_run.prepare(build_parser().parse_args(argv)) for _ in range(2)]
+    try:
+        assert [r.name for r in made] == [name, f"abcdefghijklmnopqrstuv{name[-16:]}-2"]
+    finally:
+        for run in made:
+            run.close()
