@@ -117,7 +117,7 @@ def load_trace(path: str) -> list[float]:
     if len(raw) > MAX_TRACE_BYTES:
         raise ValueError(f"{path}: larger than {MAX_TRACE_BYTES // 1024} KiB; a trace is a list of notice times")
     try:
-        text = raw.decode()
+        text = raw.decode("utf-8-sig")  # an editor's byte order mark is not part of the first time
     except UnicodeDecodeError:
         raise ValueError(f"{path}: not a text file (expected seconds, one a line, or a JSON list)") from None
     if text.lstrip().startswith("["):

@@ -3,7 +3,11 @@ through with the seconds and the training/not-training states the backend's moni
 
 from __future__ import annotations
 
-from orchestrator.backends.local_plan import PreemptionPlan
+from pathlib import Path
+
+import pytest
+
+from orchestrator.backends.local_plan import PreemptionPlan, load_trace
 
 
 def walk(plan: PreemptionPlan, spans: list[tuple[float, bool]], tick: float = 0.1) -> list[tuple[float, str]]:
@@ -69,3 +73,12 @@ def test_a_seeded_plan_gives_the_same_gaps_again() -> None:
     assert runs[0] == runs[1]
     assert len(runs[0]) == 3
     assert runs[0] != walk(PreemptionPlan(every=10.0, jitter=0.25, seed=8), spans)
+
+
+@pytest.mark.parametrize("text", ["3\n7.5\n", "[3, 7.5]"])
+def test_a_trace_saved_with_a_byte_order_mark_is_read_as_without_it(tmp_path: Path, text: str) -> None:
+    """A trace from an editor that starts UTF-8 with a BOM was refused: "'\\ufeff3' is not a number
+    of seconds"."""
+    trace = tmp_path / "trace.txt"
+    trace.write_bytes("\ufeff".encode() + text.encode())
+    assert load_trace(str(trace)) == [3.0, 7.5]
