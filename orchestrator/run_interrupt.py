@@ -557,8 +557,8 @@ def _why_not(
         if w.exit_code == 0:
             return f"{name} exited 0: the training ended before the flush"
         if w.phase in (WorkerPhase.PENDING, WorkerPhase.RUNNING):
-            since = f"step {baseline}" if baseline is not None else "nothing"
-            return f"nothing newer than {since} committed within {waited:.0f} s"
+            newer = f" newer than step {baseline}" if baseline is not None else ""
+            return f"nothing{newer} committed within {waited:.0f} s"
         if w.exit_code != EXIT_PREEMPTED:
             code = "without an exit code" if w.exit_code is None else f"{w.exit_code}"
             return f"{name} exited {code} before its flush committed{detail}"

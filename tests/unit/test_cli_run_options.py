@@ -1124,3 +1124,16 @@ def test_a_long_default_name_chosen_again_shortens_its_stem_and_keeps_the_whole_
     finally:
         for run in made:
             run.close()
+
+
+@pytest.mark.parametrize(
+    ("baseline", "said"),
+    [(10, "nothing newer than step 10 committed within 30 s"), (None, "nothing committed within 30 s")],
+)
+def test_an_interrupt_flush_that_never_committed_says_what_was_awaited(baseline: int | None, said: str) -> None:
+    """With no checkpoint before the Ctrl-C, the reason read "nothing newer than nothing committed"."""
+    from orchestrator.backends.base import WorkerObservation, WorkerPhase
+    from orchestrator.run_interrupt import InterruptState, _why_not
+
+    w = WorkerObservation(name="w-0", attempt=0, index=0, phase=WorkerPhase.RUNNING)
+    assert _why_not([], ["w-0"], {"w-0": w}, baseline, InterruptState(), 30.0) == said

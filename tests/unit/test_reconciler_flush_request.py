@@ -167,6 +167,8 @@ def test_a_checkpoint_that_does_not_come_within_the_flush_timeout_is_not_committ
     assert request is not None and request.outcome == "NotCommitted" and "within 30s" in request.message
     assert w.clock.at() >= 130 and status.phase is Phase.RUNNING
     assert "FlushRequestNotCommitted" in w.event_reasons()
+    # No checkpoint before the request: it said "nothing newer than nothing committed".
+    assert w.status.last_checkpoint is None and "newer than nothing" not in request.message, request.message
 
 
 def test_a_periodic_commit_made_before_the_request_does_not_end_it(tmp_path: Any) -> None:
