@@ -450,6 +450,12 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str], *, raise_errors: boo
     staging_problem = staging_dir_problem(staging_dir)
     if staging_problem is not None:
         parser.error(f"{staging_where} {staging_problem}")
+    # Both folders resolved once, against the agent's working directory, as a relative checkpoint
+    # path is: a wrapper that changes folder (``sh -c 'cd /x && exec python train.py'``) or a script
+    # that does before building its Checkpointer reported in, and staged under, another folder than
+    # the agent's. It never heard the flush, was killed at the deadline, and the agent exited 76.
+    staging_dir = os.path.abspath(staging_dir) if staging_dir else None
+    control_dir = os.path.abspath(ns.control_dir) if ns.control_dir is not None else None
     _check_notice_options(parser, ns)
     from_env = _notice_variables(parser, ns, env)
     disabled = frozenset(n for n in NOTICE_SOURCES if getattr(ns, f"no_{n}"))
@@ -464,8 +470,8 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str], *, raise_errors: boo
             every_seconds=ns.every_seconds,
             keep=ns.keep,
             async_save=None if ns.async_save is None else ns.async_save == "on",
-            staging_dir=ns.staging_dir,
-            control_dir=ns.control_dir,
+            staging_dir=staging_dir,
+            control_dir=control_dir,
             control_host=ns.control_host,
             control_port=ns.control_port,
             token_file=ns.token_file,

@@ -1001,6 +1001,47 @@ def test_a_relative_checkpoint_path_names_the_agents_folder_on_the_ranks(tmp_pat
         assert seen.read_text() == f"file://{tmp_path}/ck", how
 
 
+def test_a_relative_control_and_staging_folder_reach_a_command_that_changes_folder_and_it_flushes(
+    tmp_path: Path,
+) -> None:
+    """A relative --control-dir and --staging-dir (or SPOTJOB_STAGING_DIR) reached the ranks as
+    written, while the checkpoint path was made absolute: a wrapper that changes folder
+    (``sh -c 'cd / && exec python train.py'``) had its ranks report in another control folder than
+    the agent's. They never heard the flush, were killed at the deadline, and the agent exited 76
+    saying no rank had connected. Both are resolved against the agent's folder, once."""
+    seen = tmp_path / "seen"
+    for how, env in (
+        (["--staging-dir", "stage"], {}),
+        ([], {"SPOTJOB_STAGING_DIR": "stage"}),
+    ):
+        control = tmp_path / "control"
+        shutil.rmtree(control, ignore_errors=True)
+        ranks = (
+            f"cd / && env > {str(seen)!r} && exec {sys.executable} {FAKE_RANKS} --nproc 1 "
+            f"--events {str(tmp_path / 'events')!r}"
+        )
+        command = [
+            *agent_command(), "--cloud", "none", "--checkpoint-uri", f"file://{tmp_path}/ckpt",
+            "--control-dir", "control", "--sigterm-grace", "20", "--kill-grace", "1", *how,
+            "--", "sh", "-c", ranks,
+        ]  # fmt: skip
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTJOB_")}
+        full_env.update({"SPOTJOB_AGENT_POLL_INTERVAL": "0.05", **env})
+        log_path = tmp_path / "agent.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(command, env=full_env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+        run = Run(proc, ControlDir(str(control)), log_path, tmp_path)
+        try:
+            run.wait_training()
+            ranks_env = dict(line.split("=", 1) for line in seen.read_text().splitlines() if "=" in line)
+            assert ranks_env["SPOTJOB_CONTROL_DIR"] == str(control), how
+            assert ranks_env["SPOTJOB_STAGING_DIR"] == str(tmp_path / "stage"), how
+            run.signal(signal.SIGTERM)
+            assert run.exit_code() == EXIT_PREEMPTED, run.log()
+        finally:
+            run.kill()
+
+
 def test_keep_0_reaches_the_ranks_as_keep_every_checkpoint(tmp_path: Path) -> None:
     """SPOTJOB_KEEP=0 is how Checkpointer.from_env() keeps every checkpoint, but spotjob-agent
     refused --keep 0 ("must be at least 1"): keeping them all needed the variable instead of the

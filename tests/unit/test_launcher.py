@@ -421,6 +421,18 @@ class TestOptions:
         config, _ = parse_args(["--checkpoint-uri", "s3://b/p", "--staging-dir", str(tmp_path / "s"), "--", "x"], env)
         assert config.staging_dir == str(tmp_path / "s")
 
+    def test_a_relative_control_or_staging_folder_reaches_the_ranks_resolved(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """As a relative checkpoint path is: a command that changes folder reported in another one."""
+        monkeypatch.chdir(tmp_path)
+        argv = ["--checkpoint-uri", "s3://b/p", "--control-dir", "cd", "--staging-dir", "st", "--", "x"]
+        config, _ = parse_args(argv, {})
+        assert (config.control_dir, config.staging_dir) == (str(tmp_path / "cd"), str(tmp_path / "st"))
+        config, _ = parse_args(["--checkpoint-uri", "s3://b/p", "--", "x"], {"SPOTJOB_STAGING_DIR": "st"})
+        env = Agent(config, ControlDir(str(tmp_path)), env={}).rank_env()
+        assert env["SPOTJOB_STAGING_DIR"] == str(tmp_path / "st")
+
     def test_attempt_and_start_fresh_reach_the_ranks(self, tmp_path: Path) -> None:
         config, _ = parse_args(["--checkpoint-uri", "s3://b/p", "--attempt", "3", "--start-fresh", "--", "x"], {})
         env = Agent(config, ControlDir(str(tmp_path)), env={}).rank_env()
