@@ -405,11 +405,20 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str], *, raise_errors: boo
     command = argv[split + 1 :]
     if not command:
         parser.error("no command after '--'")
-    for option in ("checkpoint_uri", "job_name", "staging_dir", "control_dir", "token_file", "control_host"):
+    for option in (
+        "checkpoint_uri",
+        "job_name",
+        "staging_dir",
+        "control_dir",
+        "token_file",
+        "control_host",
+        "log_format",
+    ):
         if getattr(ns, option) == "":
             # --checkpoint-uri "" fell back to SPOTJOB_CHECKPOINT_URI for the agent's own check, but
             # reached the ranks as SPOTJOB_CHECKPOINT_URI="" over it: they had no URI at all. And
-            # --control-host "" bound the API to every interface and wrote http://:PORT to agent.json.
+            # --control-host "" bound the API to every interface and wrote http://:PORT to agent.json;
+            # --log-format "" was taken as text, over SPOTJOB_LOG_FORMAT=json.
             flag = "--" + option.replace("_", "-")
             parser.error(f"{flag} is empty (an unset variable in {flag}=$VAR?): give it a value, or leave it out")
     if ns.cloud not in ("auto", *[c.value for c in Cloud]):

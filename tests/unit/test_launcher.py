@@ -321,6 +321,8 @@ class TestOptions:
         ("option", "value", "said"),
         [
             ("--control-host", "", "--control-host is empty"),
+            # taken as text, over SPOTJOB_LOG_FORMAT=json, though the README says an empty option exits 2
+            ("--log-format", "", "--log-format is empty"),
             ("--notices", "", "names no source"),
             ("--notices", " , ", "names no source"),
         ],
