@@ -177,13 +177,25 @@ def _notice_list(value: str) -> tuple[str, ...]:
             f"{value!r} names no source (an unset variable in --notices=$VAR?): give them "
             f"({','.join(NOTICE_SOURCES)}), 'none' for the control API alone, or leave the option out"
         )
-    names = tuple(n.strip() for n in value.split(",") if n.strip() and n.strip() != "none")
-    unknown = [n for n in names if n not in NOTICE_SOURCES]
+    listed = [n.strip() for n in value.split(",") if n.strip()]
+    unknown = [n for n in listed if n not in (*NOTICE_SOURCES, "none")]
     if unknown:
         raise argparse.ArgumentTypeError(
             f"unknown source(s) {', '.join(unknown)}; choose from {', '.join(NOTICE_SOURCES)}"
         )
-    return names
+    # Both were taken before: "none,aws" as aws alone (the none dropped without a word), and
+    # "azure,azure" as two Azure sources (two pollers, each event acknowledged twice).
+    if "none" in listed and len(listed) > 1:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: 'none' is no source to list with others; give 'none' alone for the control API "
+            "alone, or list the sources without it"
+        )
+    twice = sorted({n for n in listed if listed.count(n) > 1}, key=listed.index)
+    if twice:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: {', '.join(twice)} {'is' if len(twice) == 1 else 'are'} listed twice: list each source once"
+        )
+    return tuple(n for n in listed if n != "none")
 
 
 class UsageError(ValueError):

@@ -273,6 +273,25 @@ class TestOptions:
         assert instead in err and f"or leave out {' '.join(refused)}" in err
 
     @pytest.mark.parametrize(
+        ("notices", "said"),
+        [
+            ("azure,azure,sigterm", "azure is listed twice: list each source once"),
+            ("aws, sigterm ,aws", "aws is listed twice"),
+            ("none,aws", "'none' is no source to list with others"),
+            ("sigterm,none", "'none' is no source to list with others"),
+        ],
+    )
+    def test_notices_listing_a_source_twice_or_none_with_others_exits_2_naming_it(
+        self, notices: str, said: str, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """``azure,azure,sigterm`` ran the Azure source twice (two pollers, each event acknowledged
+        twice, every line logged twice); ``none,aws`` dropped the ``none`` without a word."""
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--checkpoint-uri", "s3://b", "--notices", notices, "--", "x"], {})
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "--notices" in err and said in err, err
+
+    @pytest.mark.parametrize(
         ("argv", "env", "named"),
         [
             (["--aws-metadata-url", "ftp://169.254.169.254"], {}, "--aws-metadata-url"),
