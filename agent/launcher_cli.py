@@ -417,6 +417,12 @@ def parse_args(argv: Sequence[str], env: Mapping[str, str], *, raise_errors: boo
     command = argv[split + 1 :]
     if not command:
         parser.error("no command after '--'")
+    if not command[0].strip():
+        # Started, it failed as a program found and refused: exit 126, "cannot start :  is not executable".
+        parser.error(
+            f"the program after '--' is empty ({command[0]!r}: an unset variable in -- \"$CMD\"?): give the "
+            "command to run, e.g. -- torchrun ... train.py"
+        )
     for option in (
         "checkpoint_uri",
         "job_name",

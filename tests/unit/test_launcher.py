@@ -231,6 +231,17 @@ class TestOptions:
         with pytest.raises(SystemExit):
             parse_args(["--checkpoint-uri", "s3://b", "--"], {})
 
+    @pytest.mark.parametrize("program", ["", " "])
+    def test_an_empty_program_after_the_double_dash_exits_2_naming_it(
+        self, program: str, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """``-- "$CMD"`` with CMD unset started nothing and exited 126, "cannot start :  is not
+        executable", as if a program had been found and refused."""
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--checkpoint-uri", "s3://b", "--", program, "train.py"], {})
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "the program after '--' is empty" in err, err
+
     @pytest.mark.parametrize(("name", "why"), [("a\nb", "holds control characters"), ("caf\udce9", "not valid UTF-8")])
     def test_a_job_name_with_a_newline_or_undecodable_bytes_is_refused_naming_why(
         self, name: str, why: str, capsys: pytest.CaptureFixture[str]
