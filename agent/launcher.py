@@ -575,10 +575,12 @@ class Agent(AgentRequests):
                 format_deadline(held.deadline),
             )
         log.info(
-            "the ranks committed step %s at %s for a flush another node's agent asked for (no notice here): "
+            "the ranks committed step %s at %s for a flush another node's agent asked for (%s): "
             "ending the command once they exit",
             result.step,
             result.uri,
+            # A notice held here is one, said just above: "no notice here" contradicted it.
+            "no notice here" if held is None else "no flush of its own",
         )
 
     def _finish(self, returncode: int, tree: ProcessTree) -> int:

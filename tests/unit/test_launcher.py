@@ -858,7 +858,7 @@ class TestHeldNotices:
             time.sleep(0.05)
 
     def test_a_flush_another_node_asked_for_starts_no_second_flush_but_the_notice_stays_reported(
-        self, tmp_path: Path
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture
     ) -> None:
         """A node of a multi-node job holds a maintenance notice; another node's preemption makes
         every rank commit. At the held notice's time no second flush.json goes to ranks already on
@@ -878,7 +878,12 @@ class TestHeldNotices:
             agent._check_held()
             result = FlushResult(step=5, uri="file:///c/step-5", request_id=None, notice_to_commit_seconds=None)
             agent.control.write_flush_result(result)
-            agent._check_flush_result()
+            with caplog.at_level("INFO"):
+                agent._check_flush_result()
+            # Not "(no notice here)" right after the line naming the notice held here.
+            assert "the gcp notice held for" in caplog.text and "needs no flush of its own" in caplog.text
+            assert "no notice here" not in caplog.text
+            assert "for a flush another node's agent asked for (no flush of its own)" in caplog.text
             status = agent.status()
             assert status.state == "flushed" and status.held_notice is not None, status
             assert status.held_notice.deadline == deadline and status.flush is None
