@@ -55,6 +55,16 @@ CLOCK_STEP = 1.0
 """How far back this node's clock must have been stepped since a held notice came to bring its
 flush forward (less is the two clocks' drift)."""
 
+RELEASE_SLACK = 1.0
+"""How late after its time a held notice's flush may start and still be the flush the agent
+scheduled to fit: the watch loop's tick and a scan of the process tree, with room. A flush that
+starts as long before the deadline as the last save x ``--safety-margin`` has exactly that long,
+less the moments the loop took to see its time had come: no warning that it may not fit."""
+
+FLUSH_AT_MOVED = 1.0
+"""How far a held notice's flush time must move (a later save took longer or less long) since the
+agent said it to be said again."""
+
 log = logging.getLogger("agent.launcher")  # the agent's one logger, as before the module was split
 
 MAX_SAVE_IDS = 64
@@ -70,8 +80,11 @@ class Window:
     message: str
 
 
-def flush_window(deadline: float | None, last_save_seconds: float | None, margin: float, now: float) -> Window:
-    """Can the time left before ``deadline`` hold a flush as long as the last save (x ``margin``)?"""
+def flush_window(
+    deadline: float | None, last_save_seconds: float | None, margin: float, now: float, *, slack: float = 0.0
+) -> Window:
+    """Can the time left before ``deadline`` hold a flush as long as the last save (x ``margin``)?
+    ``slack``: seconds the time left may fall short of that and still fit (``RELEASE_SLACK``)."""
     if deadline is None:
         return Window(True, "no deadline")
     left = deadline - now
@@ -80,7 +93,7 @@ def flush_window(deadline: float | None, last_save_seconds: float | None, margin
     if last_save_seconds is None:
         return Window(True, f"{left:.1f} s left; no save timed yet, so no estimate of a flush")
     need = last_save_seconds * margin
-    if left < need:
+    if left + slack < need:
         return Window(
             False,
             f"{left:.1f} s left but the last save took {last_save_seconds:.1f} s "
@@ -166,6 +179,8 @@ class AgentRequests:
         self._holding: dict[tuple[str, str], Notice] = {}
         """The cloud notices far from their deadlines, by event (``_held_key``): the earliest
         (``_held``) decides when ``release_held`` starts the flush, ``--flush-lead`` before it."""
+        self._flush_at_said: tuple[Notice | None, float] = (None, 0.0)
+        """The held notice whose flush time the log said last, and that time (``_say_moved``)."""
         self._saves: collections.OrderedDict[str, SaveInfo] = collections.OrderedDict()
         """Save requests taken through ``POST /save``, by id (the newest ``MAX_SAVE_IDS``)."""
         self.api: ControlApi | None = None
@@ -195,6 +210,12 @@ class AgentRequests:
         it as the last save took x ``--safety-margin``, whichever is sooner. None: not a notice to
         hold (no deadline, an assumed one unless ``assumed_too``, not a cloud's, a preemption, or
         ``--flush-lead 0``)."""
+        schedule = self._schedule(notice, assumed_too=assumed_too)
+        return schedule[0] if schedule is not None else None
+
+    def _schedule(self, notice: Notice, *, assumed_too: bool = False) -> tuple[float, str] | None:
+        """``_flush_at``, and what set its lead, in words for the log: ``--flush-lead``, or the last
+        save's time x ``--safety-margin`` where that is longer."""
         lead = self.config.flush_lead
         if lead <= 0 or notice.deadline is None or notice.source not in CLOUD_SOURCES:
             return None
@@ -208,14 +229,21 @@ class AgentRequests:
             # node's clock running behind the cloud's (AWS and Azure send a time of day): held, the
             # flush could come after the node is gone.
             return None
+        set_by = "--flush-lead; 0 flushes at once"
         rank = self.control.status()
         if rank is not None and rank.last_save_seconds is not None:
-            lead = max(lead, rank.last_save_seconds * self.config.safety_margin)
+            need = rank.last_save_seconds * self.config.safety_margin
+            if need > lead:
+                lead = need
+                set_by = (
+                    f"the last save took {rank.last_save_seconds:.1f} s x --safety-margin "
+                    f"{self.config.safety_margin:g}, more than --flush-lead {self.config.flush_lead:g} s"
+                )
         # The deadline is a time of day (GCE's counts from when the notice came, by this clock): a
         # clock stepped back since then would flush that much late. The time since the notice
         # (monotonic) counts too, whichever comes sooner; a clock stepped ahead flushes early.
         stepped_back = notice.received_at + (time.monotonic() - notice.received_monotonic) - time.time()
-        return notice.deadline - lead - (stepped_back if stepped_back > CLOCK_STEP else 0.0)
+        return notice.deadline - lead - (stepped_back if stepped_back > CLOCK_STEP else 0.0), set_by
 
     def _hold(self, notice: Notice) -> bool:
         """Hold a cloud notice whose deadline is further away than ``--flush-lead`` (GCE gives a GPU
@@ -223,11 +251,12 @@ class AgentRequests:
         training goes on and ``release_held`` starts the flush in time. A flush at once would stop
         the job for the rest of the notice, and a job restarted on the same VM would flush again.
         A deadline the cloud did not tell (``Notice.deadline_assumed``) is never held."""
-        flush_at = self._flush_at(notice)
-        if flush_at is None or flush_at <= time.time():
+        schedule = self._schedule(notice)
+        if schedule is None or schedule[0] <= time.time():
             if notice.deadline_assumed:
                 self._say_assumed_not_held(notice)
             return False
+        flush_at, set_by = schedule
         with self._lock:
             if self._flush is not None or self._stop is not None or self._returncode is not None:
                 return False  # _start_flush answers it as it answers any notice now
@@ -245,14 +274,16 @@ class AgentRequests:
             if self._held is not notice:
                 log.info("%s notice (%s): one is held for an earlier deadline", notice.source, notice.detail)
                 return True
+            self._flush_at_said = (notice, flush_at)
         log.warning(
             "%s notice (%s): deadline %s. Training goes on; the flush starts at %s, %.0f s before it "
-            "(--flush-lead; 0 flushes at once). A nearer notice, a SIGTERM or POST /flush flushes at once",
+            "(%s). A nearer notice, a SIGTERM or POST /flush flushes at once",
             notice.source,
             notice.detail,
             format_deadline(notice.deadline),
             utc_stamp(flush_at),
             (notice.deadline or flush_at) - flush_at,
+            set_by,
         )
         return True
 
@@ -298,19 +329,39 @@ class AgentRequests:
             held = self._held
         if held is None:
             return
-        flush_at = self._flush_at(held)
-        if flush_at is not None and time.time() < flush_at:
+        schedule = self._schedule(held)
+        if schedule is not None and time.time() < schedule[0]:
+            self._say_moved(held, *schedule)
             return
         with self._lock:
             if self._held is not held or self._peer_result is not None:
                 return
         log.info("%s notice held until now (deadline %s): flushing", held.source, format_deadline(held.deadline))
         try:
-            self._start_flush(held)
+            self._start_flush(held, scheduled=schedule is not None)
         except FlushRefused as e:
             with self._lock:
                 self._holding.clear()
             log.info("held notice from %s dropped: %s", held.source, e)
+
+    def _say_moved(self, held: Notice, flush_at: float, set_by: str) -> None:
+        """(the watch loop) Log at INFO a held notice's flush time that moved since it was said: a
+        later save took longer or less long, and the last save x ``--safety-margin`` sets the lead
+        (the flush starts at the time logged last, not at the one the notice's warning said)."""
+        with self._lock:
+            said_of, said_at = self._flush_at_said
+            if said_of is held and abs(flush_at - said_at) < FLUSH_AT_MOVED:
+                return
+            self._flush_at_said = (held, flush_at)
+        # Also said for a notice held behind another until that one was withdrawn: now its own comes first.
+        log.info(
+            "%s notice (%s): its flush now starts at %s, %.0f s before the deadline (%s)",
+            held.source,
+            held.detail,
+            utc_stamp(flush_at),
+            (held.deadline or flush_at) - flush_at,
+            set_by,
+        )
 
     @property
     def _held(self) -> Notice | None:
@@ -388,7 +439,9 @@ class AgentRequests:
             return ReadyResponse(ready=False, reason="the ranks are starting (rendezvous, restore)")
         return ReadyResponse(ready=True, reason=f"the ranks are {rank.state} at step {rank.step}")
 
-    def _start_flush(self, notice: Notice) -> tuple[FlushRequest, bool]:
+    def _start_flush(self, notice: Notice, *, scheduled: bool = False) -> tuple[FlushRequest, bool]:
+        """``scheduled``: a held notice's flush, started when the agent set it to start so that it
+        fits (``RELEASE_SLACK``)."""
         with self._lock:
             if self._state == "exited" or self._returncode is not None:
                 raise FlushRefused("the command has already ended")
@@ -442,7 +495,7 @@ class AgentRequests:
                 self._bring_forward(self._flush, held)  # its deadline, if sooner, bounds this flush too
             self._holding.clear()
             self._state = "flushing"
-        window = self._window()
+        window = self._window(slack=RELEASE_SLACK if scheduled else 0.0)
         log.info(
             "flush %s requested: %s; deadline %s; %s",
             request.id,
@@ -484,7 +537,7 @@ class AgentRequests:
             flush.deadline = notice.deadline  # the earliest heard, for /status and the window
 
     # -- status (any thread) -------------------------------------------------------------------
-    def _window(self) -> Window:
+    def _window(self, *, slack: float = 0.0) -> Window:
         with self._lock:
             deadline = self._flush.deadline if self._flush is not None else None
         if deadline is None and self._flush is None:
@@ -497,7 +550,7 @@ class AgentRequests:
             return Window(True, "no notice")
         rank = self.control.status()
         last = rank.last_save_seconds if rank is not None else None
-        return flush_window(deadline, last, self.config.safety_margin, time.time())
+        return flush_window(deadline, last, self.config.safety_margin, time.time(), slack=slack)
 
     def status(self) -> StatusResponse:
         rank = self.control.status()

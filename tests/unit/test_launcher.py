@@ -195,6 +195,13 @@ class TestFlushWindow:
     def test_a_passed_deadline_does_not_fit(self) -> None:
         assert not flush_window(100.0, 1.0, 1.5, now=101.0).ok
 
+    def test_a_slack_takes_a_time_left_that_short_as_fitting(self) -> None:
+        """A held notice's flush started when scheduled, the moment the loop took to see it aside."""
+        assert not flush_window(100.0, 10.0, 1.5, now=85.5).ok
+        w = flush_window(100.0, 10.0, 1.5, now=85.5, slack=1.0)
+        assert w.ok and "may not" not in w.message
+        assert not flush_window(100.0, 10.0, 1.5, now=86.5, slack=1.0).ok
+
 
 class TestOptions:
     def test_defaults(self) -> None:
@@ -954,6 +961,48 @@ class TestHeldNotices:
         agent.control.write_status(RankStatus(state="training", last_save_seconds=1000.0))
         agent.on_notice(Notice(source="gcp", kind=NoticeKind.MAINTENANCE, deadline=time.time() + 1200, detail="x"))
         assert agent._flush is not None
+
+    def test_a_flush_the_last_save_times_the_margin_scheduled_starts_without_a_false_warning(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """The last save x --safety-margin (2 s) sets the lead over --flush-lead (1 s). The flush
+        started then, as scheduled, always found a hair less than 2 s left and warned that it "may
+        not commit in time"; and the notice's line credited --flush-lead with the lead."""
+        agent = self.agent(tmp_path, flush_lead=1, safety_margin=4)
+        agent.control.write_status(RankStatus(state="training", last_save_seconds=0.5))
+        deadline = time.time() + 2.5  # the flush half a second from now
+        with caplog.at_level("INFO"):
+            agent.on_notice(Notice(source="gcp", kind=NoticeKind.MAINTENANCE, deadline=deadline, detail="x"))
+            assert agent._flush is None
+            assert "the last save took 0.5 s x --safety-margin 4, more than --flush-lead 1 s" in caplog.text
+            assert "(--flush-lead" not in caplog.text
+            give_up = time.monotonic() + 30
+            while agent._flush is None:
+                assert time.monotonic() < give_up, "the held notice was never released"
+                agent.release_held()
+                time.sleep(0.02)
+        assert "may not" not in caplog.text, caplog.text
+        assert not [r for r in caplog.records if r.levelname == "WARNING" and "flush starts at" not in r.message]
+
+    def test_the_held_flush_time_the_last_save_moves_is_logged_again(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        agent = self.agent(tmp_path, flush_lead=1, safety_margin=4)
+        agent.control.write_status(RankStatus(state="training", last_save_seconds=5.0))
+        deadline = time.time() + 3600
+        agent.on_notice(Notice(source="gcp", kind=NoticeKind.MAINTENANCE, deadline=deadline, detail="x"))
+        assert agent.status().flush_at == pytest.approx(deadline - 20)
+        with caplog.at_level("INFO"):
+            agent.control.write_status(RankStatus(state="training", last_save_seconds=5.1))
+            agent.release_held()  # 0.4 s sooner: not worth a line
+            assert "now starts at" not in caplog.text
+            agent.control.write_status(RankStatus(state="training", last_save_seconds=3.0))
+            agent.release_held()
+            agent.release_held()
+        moved = [r for r in caplog.records if "now starts at" in r.message]
+        assert len(moved) == 1 and moved[0].levelname == "INFO", caplog.text
+        assert f"now starts at {utc_stamp(deadline - 12)}, 12 s before the deadline" in moved[0].message
+        assert "the last save took 3.0 s x --safety-margin 4" in moved[0].message
 
     def test_the_option_is_checked(self, capsys: pytest.CaptureFixture[str]) -> None:
         with pytest.raises(SystemExit) as e:
