@@ -34,7 +34,9 @@ one answers 200 with the flush already under way, and starts nothing. After ``PO
 flush not already under way is refused (409): the stop ends the ranks without one. ``POST /stop`` is
 idempotent too (202, then 200). ``POST /save`` is idempotent per request ``id``: the first one
 with an id writes ``save.json`` (the same early save an AWS rebalance recommendation asks for)
-and answers 202; the same id again answers 200 and starts nothing; a new id asks for a new save.
+and answers 202; the same id again answers 200 and starts nothing; a new id asks for a new save,
+unless an earlier one still waits for the ranks: that one serves both, and the answer (200,
+``created: false``) is that save, under its own id.
 """
 
 from __future__ import annotations
@@ -191,7 +193,8 @@ class FlushResponse(BaseModel):
 
 
 class SaveInfo(BaseModel):
-    """The save request as written to ``save.json`` (``id`` is the caller's request id)."""
+    """The save request as written to ``save.json`` (``id``: the caller's request id, or that of the
+    earlier save still pending that the call joined)."""
 
     id: str
     reason: str
@@ -200,7 +203,8 @@ class SaveInfo(BaseModel):
 
 class SaveResponse(BaseModel):
     created: bool
-    """False when this request id was taken before (this call started nothing)."""
+    """False when this request id was taken before, or an earlier save still waits for the ranks
+    and ``save`` is that one (this call started nothing)."""
     save: SaveInfo
 
 

@@ -407,8 +407,9 @@ class AgentRequests:
 
         The same ``save.json`` an AWS rebalance recommendation writes (``--rebalance save-early``);
         the ranks serve it at an agreed step. Idempotent per request id: an id seen before starts
-        nothing. A flush under way, or a command that has ended, refuses it (409): a flush commits
-        a checkpoint anyway.
+        nothing. A new id while an earlier save still waits for the ranks joins it: the answer is
+        that save, not created (one save.json serves both). A flush under way, or a command that has
+        ended, refuses it (409): a flush commits a checkpoint anyway.
         """
         with self._lock:
             if self._state == "exited" or self._returncode is not None:
@@ -419,12 +420,19 @@ class AgentRequests:
             if known is not None:
                 return known, False
             request = self.control.request_save(safe(body.reason, 1000), body.id)
-            info = SaveInfo(id=body.id, reason=request.reason, requested_at=request.requested_at)
+            # Another id: the save still pending (an earlier POST /save's, a rebalance's) was kept.
+            created = request.id == body.id
+            info = SaveInfo(id=request.id, reason=request.reason, requested_at=request.requested_at)
             self._saves[body.id] = info
             while len(self._saves) > MAX_SAVE_IDS:
                 self._saves.popitem(last=False)
-        log.info("early checkpoint asked through the control API (save %s): %s", safe(body.id), safe(body.reason))
-        return info, True
+        log.info(
+            "early checkpoint asked through the control API (save %s): %s%s",
+            safe(body.id),
+            safe(body.reason),
+            "" if created else f"; joins save {safe(request.id)}, still waiting for the ranks",
+        )
+        return info, created
 
     def ready(self) -> ReadyResponse:
         """``GET /readyz``: ready once the node's ranks train (its first rank's status.json past "starting")."""

@@ -719,6 +719,19 @@ class TestSave:
         status, body = call(api, "POST", "/save", token=TOKEN, body={"id": "req-2"})
         assert status == 202 and agent.control.save_request().id == "req-2"  # type: ignore[union-attr]
 
+    def test_a_new_id_while_a_save_still_waits_joins_it_and_says_so(self, api: ControlApi, agent: Agent) -> None:
+        """One save.json serves both; the answer was 202 created:true with the earlier request's
+        reason and time, as if this call had asked for a save of its own."""
+        first = call(api, "POST", "/save", token=TOKEN, body={"id": "req-1", "reason": "first"})
+        assert first[0] == 202
+        status, body = call(api, "POST", "/save", token=TOKEN, body={"id": "req-2", "reason": "second"})
+        assert (status, body) == (200, {"created": False, "save": first[1]["save"]})
+        assert agent.control.save_request().id == "req-1"  # type: ignore[union-attr]
+        # A retry of req-2 answers the same; once the ranks served it, a new id saves again.
+        assert call(api, "POST", "/save", token=TOKEN, body={"id": "req-2"}) == (status, body)
+        agent.control.clear_save_request()
+        assert call(api, "POST", "/save", token=TOKEN, body={"id": "req-3"})[0] == 202
+
     @pytest.mark.parametrize("raw", [b"{}", b'{"id": ""}', b'{"id": "a b"}', b'{"id": "x", "reason": ""}', b"[1]"])
     def test_an_invalid_body_is_400_and_writes_nothing(self, api: ControlApi, agent: Agent, raw: bytes) -> None:
         assert call(api, "POST", "/save", token=TOKEN, raw=raw)[0] == 400
