@@ -76,7 +76,8 @@ def parse_uri(uri: str) -> tuple[str, str, str]:
     prefix inside the bucket (no surrounding slashes) or the filesystem path as written. Raises
     ``ValueError`` with what to write instead when the URI is not one spotjob knows, or holds a
     ``#``, a ``?`` or a control character, or (``s3``, ``gs``) has an empty, ``.`` or ``..``
-    segment in its prefix, is not UTF-8 or has a prefix longer than ``MAX_PREFIX_BYTES``.
+    segment in its prefix, is not UTF-8 or has a prefix longer than ``MAX_PREFIX_BYTES``, or
+    (``gs``) names a bucket GCS's naming rules refuse.
     """
     if not uri or not uri.strip():
         raise ValueError("empty checkpoint URI; use s3://bucket/prefix, gs://bucket/prefix or a path")
@@ -163,6 +164,13 @@ def parse_uri(uri: str) -> tuple[str, str, str]:
                 f"{MAX_OBJECT_NAME_BYTES} bytes and spotjob's names under the prefix need up to "
                 f"{PREFIX_RESERVE_BYTES + 1}, so a prefix may have at most {MAX_PREFIX_BYTES}; choose a shorter one"
             )
+        problem = _gcs_bucket_problem(parsed.netloc, prefix) if scheme == "gs" else None
+        if problem is not None:
+            raise ValueError(
+                f"{uri!r}: the bucket name {parsed.netloc!r} {problem}; GCS refuses such a bucket name (3 to 63 "
+                "lowercase letters, digits, '-', '_' and '.', starting and ending with a letter or a digit): "
+                "correct the bucket in the checkpoint URI (gs://BUCKET/prefix)"
+            )
         return scheme, parsed.netloc, prefix
     if scheme == "file":
         if parsed.netloc not in ("", "localhost") or not parsed.path.startswith("/"):
@@ -185,6 +193,42 @@ def parse_uri(uri: str) -> tuple[str, str, str]:
         f"unsupported checkpoint URI scheme {scheme!r} in {uri!r}; "
         "use s3://bucket/prefix, gs://bucket/prefix, file:///path or a plain path"
     )
+
+
+_GCS_BUCKET_CHARACTERS = re.compile(r"[a-z0-9._-]+")
+_DOTTED_DECIMAL = re.compile(r"[0-9]+(\.[0-9]+){3}")
+
+
+def _gcs_bucket_problem(bucket: str, prefix: str) -> str | None:
+    """Which of GCS's bucket naming rules ``bucket`` breaks, said after "the bucket name 'x'", or
+    ``None``. No bucket breaking one can exist, so a URI naming one is refused before anything is
+    made: google-cloud-storage checks only the first and last characters, with a message that names
+    neither the URI nor the bucket, and GCS answers the others 400 or 404 (read as a missing bucket).
+    Emulators accept more (fake-gcs-server takes ``b``); spotjob holds them to GCS's rules, so a URI
+    that works against one works against GCS."""
+    if not _GCS_BUCKET_CHARACTERS.fullmatch(bucket):
+        if _GCS_BUCKET_CHARACTERS.fullmatch(bucket.lower()):
+            lower = f"gs://{bucket.lower()}/{prefix}".rstrip("/")
+            return f"has upper-case letters: GCS bucket names are lower case (write {lower})"
+        others = [repr(c) for c in dict.fromkeys(bucket.lower()) if not _GCS_BUCKET_CHARACTERS.fullmatch(c)]
+        upper = " (and upper-case letters)" if bucket != bucket.lower() else ""
+        return f"has {', '.join(others)}{upper}: a GCS bucket name is lowercase letters, digits, '-', '_' and '.'"
+    if not (bucket[0].isalnum() and bucket[-1].isalnum()):
+        return "must start and end with a letter or a digit"
+    longest = 222 if "." in bucket else 63
+    if not 3 <= len(bucket) <= longest:
+        limit = "3 to 63" if len(bucket) < 3 or longest == 63 else "at most 222 (with dots)"
+        return f"is {len(bucket)} character{'s' if len(bucket) != 1 else ''} long: GCS takes {limit}"
+    part = max(bucket.split("."), key=len)
+    if len(part) > 63:
+        return f"has a dot-separated part {len(part)} characters long: GCS takes at most 63"
+    if _DOTTED_DECIMAL.fullmatch(bucket):
+        return "is an IP address: GCS takes no bucket name in dotted-decimal notation"
+    if bucket.startswith("goog"):
+        return "begins with 'goog', which GCS keeps for itself"
+    if "google" in bucket:
+        return "contains 'google', which GCS keeps for itself"
+    return None
 
 
 def _dot_segment_refused(uri: str, scheme: str, bucket: str, prefix: str, segment: str) -> str:

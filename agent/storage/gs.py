@@ -468,7 +468,11 @@ class GCSStorage(PrefixedKeys, Storage):
         # it; switched off for this client only (the environment switch would reach the user's).
         if getattr(self._client, "_bucket_metadata_cache", None) is not None:
             self._client._bucket_metadata_cache = None
-        self._bucket = self._client.bucket(bucket)
+        try:
+            self._bucket = self._client.bucket(bucket)
+        except ValueError as e:  # the client's own check of the name; parse_uri refuses such a URI first
+            self._client.close()
+            raise PermanentStorageError(f"cannot open {self.uri}: the bucket name {bucket!r}: {e}") from e
         self._pool = TransferPool(self.settings.concurrency, "spotjob-gcs")
         self._buffers = ByteBudget(self.settings.max_buffer_bytes)
 

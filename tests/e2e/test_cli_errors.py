@@ -112,6 +112,13 @@ TABLE: dict[str, Case] = {
     "an ftp:// checkpoint URI": Case(["run", "--checkpoint-uri", "ftp://x/y", T], 2, ["--checkpoint-uri", "'ftp'"]),
     "s3:// without a bucket": Case(["run", "--checkpoint-uri", "s3://", T], 2, ["--checkpoint-uri", "names no bucket"]),
     "gs:// without a bucket": Case(["run", "--checkpoint-uri", "gs://", T], 2, ["--checkpoint-uri", "names no bucket"]),
+    "a gs:// bucket name GCS refuses": Case(  # was a run made and failed (InvalidCheckpointURI), exit 1
+        ["run", "--checkpoint-uri", "gs://-b/run", T], 2,
+        ["--checkpoint-uri", "'gs://-b/run'", "the bucket name '-b' must start and end with a letter or a digit"],
+    ),
+    "listing a gs:// URI whose bucket name GCS refuses": Case(  # was the client's bare words, no URI
+        ["ckpt", "list", "gs://../run"], 2, ["'gs://../run'", "the bucket name '..'", "GCS refuses"],
+    ),
     "credentials in a checkpoint URI": Case(
         ["run", "--checkpoint-uri", "s3://AKIAIOSFODNN7EXAMPLE:wJalrXUtnFEMI@bucket/run", T], 2,
         ["--checkpoint-uri", "takes no credentials", "the URI is not repeated here"],

@@ -392,7 +392,7 @@ def test_a_tls_handshake_that_failed_names_the_endpoint_variable_and_the_usual_s
             "HTTPSConnectionPool(host='127.0.0.1', port=4443): Max retries exceeded with url: /storage/v1/b/b/o?x=1 "
             f"(Caused by SSLError(SSLError(1, '{reason}')))"
         ),
-        "LIST gs://b/run/",
+        "LIST gs://bkt/run/",
         None,
     )
     for error, variable in ((s3, "AWS_ENDPOINT_URL"), (gcs, "STORAGE_EMULATOR_HOST")):
@@ -430,7 +430,7 @@ def test_a_missing_s3_bucket_is_not_a_missing_key() -> None:
     ],
 )
 def test_gcs_errors_are_classified_by_whether_retrying_can_help(error: Exception, kind: type[Exception]) -> None:
-    classified = gs_backend._storage_error(error, "GET gs://b/k", "k")
+    classified = gs_backend._storage_error(error, "GET gs://bkt/k", "k")
     assert type(classified) is kind
     assert classified.key == "k"
 
@@ -442,7 +442,7 @@ def test_a_gcs_emulator_host_without_a_scheme_is_refused_when_the_store_opens(
     request would fail as a URL with no connection adapter, mid-save."""
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", "127.0.0.1:4443")
     with pytest.raises(ValueError, match=r"STORAGE_EMULATOR_HOST='127.0.0.1:4443'.*http://127.0.0.1:4443"):
-        open_storage("gs://b/run")
+        open_storage("gs://bkt/run")
 
 
 def test_a_gcs_emulator_host_ending_in_a_slash_is_refused_rather_than_read_as_a_missing_bucket(
@@ -454,7 +454,7 @@ def test_a_gcs_emulator_host_ending_in_a_slash_is_refused_rather_than_read_as_a_
     with pytest.raises(
         ValueError, match=r"STORAGE_EMULATOR_HOST='http://127.0.0.1:4443/' ends with '/'.*write http://127.0.0.1:4443$"
     ):
-        open_storage("gs://b/run")
+        open_storage("gs://bkt/run")
 
 
 @pytest.mark.parametrize(
@@ -484,7 +484,7 @@ def test_a_gcs_emulator_host_that_is_no_usable_url_is_refused_with_advice_that_w
     ``http://`` before it."""
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", value)
     with pytest.raises(ValueError) as refused:
-        open_storage("gs://b/run")
+        open_storage("gs://bkt/run")
     text = str(refused.value)
     assert text.startswith(f"STORAGE_EMULATOR_HOST={value!r} ") and said in text, text
     assert not re.search(r"http://\s*\w+://", text), text
@@ -493,7 +493,7 @@ def test_a_gcs_emulator_host_that_is_no_usable_url_is_refused_with_advice_that_w
 @pytest.mark.parametrize("value", ["http://[::1]:4443", "HTTPS://storage.test", "http://u:p@127.0.0.1:4443/prefix"])
 def test_a_gcs_emulator_host_that_is_a_url_is_taken_as_written(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", value)
-    open_storage("gs://b/run").close()
+    open_storage("gs://bkt/run").close()
 
 
 @pytest.mark.parametrize(
@@ -513,7 +513,7 @@ def test_a_refused_gcs_emulator_host_behind_basic_auth_is_named_without_its_pass
     the S3 store masks its endpoint's, and a value the mask cannot reach is not repeated at all."""
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", value)
     with pytest.raises(ValueError, match="STORAGE_EMULATOR_HOST") as refused:
-        open_storage("gs://b/run")
+        open_storage("gs://bkt/run")
     said = str(refused.value)
     assert "secret9" not in said and "u:" not in said, said
     if "'" not in value and " " not in value:
@@ -532,16 +532,16 @@ def test_a_gcs_upload_chunk_that_cannot_connect_names_the_host_and_the_variable_
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
-    storage = open_storage("gs://b/run")
+    storage = open_storage("gs://bkt/run")
     try:
         session = f"http://127.0.0.1:{port}/upload/storage/v1/b/b/o?uploadType=resumable&upload_id=SESSIONSECRET"
-        upload = gs_backend._ResumableUpload(storage, session, "gs://b/run/k", "run/k", 3)  # type: ignore[arg-type]
+        upload = gs_backend._ResumableUpload(storage, session, "gs://bkt/run/k", "run/k", 3)  # type: ignore[arg-type]
         with pytest.raises(TransientStorageError) as raised:
             upload.send(0, b"abc", crc(b"abc"))
     finally:
         storage.close()
     said = str(raised.value)
-    assert f"PUT gs://b/run/k bytes 0-2/3: cannot connect to 127.0.0.1:{port} (" in said
+    assert f"PUT gs://bkt/run/k bytes 0-2/3: cannot connect to 127.0.0.1:{port} (" in said
     assert "check STORAGE_EMULATOR_HOST and the network" in said
     assert "SESSIONSECRET" not in said and "upload_id" not in said
 
@@ -577,13 +577,13 @@ def test_an_endpoint_that_times_out_connecting_names_the_host_the_timeout_and_th
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.setenv("SPOTJOB_STORAGE_CONNECT_TIMEOUT_S", "0.3")
     monkeypatch.setenv("SPOTJOB_STORAGE_MAX_ATTEMPTS", "1")
-    storage = open_storage("gs://b/run")
+    storage = open_storage("gs://bkt/run")
     s3_storage = open_storage("s3://b/run")
     try:
         with pytest.raises(TransientStorageError) as listing:
             list(storage.list())
         session = f"http://127.0.0.1:{port}/upload/storage/v1/b/b/o?uploadType=resumable&upload_id=SESSIONSECRET"
-        upload = gs_backend._ResumableUpload(storage, session, "gs://b/run/k", "run/k", 3)  # type: ignore[arg-type]
+        upload = gs_backend._ResumableUpload(storage, session, "gs://bkt/run/k", "run/k", 3)  # type: ignore[arg-type]
         with pytest.raises(TransientStorageError) as chunk:
             upload.send(0, b"abc", crc(b"abc"))
         with pytest.raises(TransientStorageError) as s3_get:
@@ -620,7 +620,7 @@ def test_a_store_that_accepts_but_never_answers_names_the_read_timeout_and_where
     said = {}
     try:
         for scheme in ("gs", "s3"):
-            storage = open_storage(f"{scheme}://b/run")
+            storage = open_storage(f"{scheme}://bkt/run")
             try:
                 with pytest.raises(TransientStorageError) as raised:
                     storage.get_bytes("k")
@@ -650,9 +650,9 @@ def test_a_gs_uri_without_google_credentials_or_an_emulator_names_both_remedies(
     monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
     monkeypatch.setattr(google.auth, "default", no_credentials)
     with pytest.raises(
-        PermanentStorageError, match=r"no Google credentials for gs://b/run: .*set STORAGE_EMULATOR_HOST"
+        PermanentStorageError, match=r"no Google credentials for gs://bkt/run: .*set STORAGE_EMULATOR_HOST"
     ):
-        open_storage("gs://b/run")
+        open_storage("gs://bkt/run")
 
 
 def _aws_env(monkeypatch: pytest.MonkeyPatch, **env: str) -> None:
@@ -817,11 +817,20 @@ def test_a_bucket_name_botocore_refuses_is_said_in_a_line_not_two_regular_expres
     assert "regex" not in said and "s3://BUCKET/prefix" in said, said
 
 
+def test_a_gcs_bucket_name_the_client_refuses_is_a_storage_error_naming_the_uri(gcs_server: str) -> None:
+    """``parse_uri`` refuses such a name before any store opens; a store made without it (a name
+    the client's own check refuses) used to raise the client's bare ValueError, naming nothing."""
+    with pytest.raises(PermanentStorageError) as raised:
+        gs_backend.GCSStorage("-b", "run")
+    said = str(raised.value)
+    assert said.startswith("cannot open gs://-b/run: the bucket name '-b': "), said
+
+
 def test_a_range_refuses_bytes_past_its_end(tmp_path: object) -> None:
     path = os.path.join(str(tmp_path), "f")
     fd = os.open(path, os.O_RDWR | os.O_CREAT)
     try:
-        sink = RangeSink(fd, 4, 3, "gs://b/k")
+        sink = RangeSink(fd, 4, 3, "gs://bkt/k")
         sink.write(b"ab")
         with pytest.raises(PermanentStorageError, match="more than"):
             sink.write(b"cd")

@@ -15,12 +15,12 @@ from agent.storage import MAX_PREFIX_BYTES, open_storage, parse_uri
     ("uri", "parsed"),
     [
         ("s3://b/run/1", ("s3", "b", "run/1")),
-        ("gs://b/run/", ("gs", "b", "run")),
+        ("gs://bkt/run/", ("gs", "bkt", "run")),
         ("file:///data/ckpt", ("file", "", "/data/ckpt")),
         ("file://localhost/data/ckpt", ("file", "", "/data/ckpt")),
         ("/data/ckpt", ("file", "", "/data/ckpt")),
         ("ckpt/run-1", ("file", "", "ckpt/run-1")),
-        ("gs://b//run", ("gs", "b", "run")),
+        ("gs://bkt//run", ("gs", "bkt", "run")),
         ("s3://b/jobs/run/", ("s3", "b", "jobs/run")),
         ("file:/data/ckpt", ("file", "", "/data/ckpt")),
     ],
@@ -126,6 +126,46 @@ def test_a_dot_segment_in_a_bucket_prefix_is_refused_naming_it_and_what_to_write
     assert f"write {tidy} " in message and old_keys in message, message
     with pytest.raises(ValueError, match="segment in its path"):
         open_storage(uri)
+
+
+@pytest.mark.parametrize(
+    ("bucket", "rule"),
+    [
+        ("-b", "must start and end with a letter or a digit"),
+        ("..", "must start and end with a letter or a digit"),
+        ("bkt_", "must start and end with a letter or a digit"),
+        ("b", "is 1 character long: GCS takes 3 to 63"),
+        ("b" * 64, "is 64 characters long: GCS takes 3 to 63"),
+        ("a." + "b" * 64, "has a dot-separated part 64 characters long: GCS takes at most 63"),
+        (".".join(["b" * 60] * 4), "is 243 characters long: GCS takes at most 222"),
+        ("My-Bucket", "has upper-case letters: GCS bucket names are lower case (write gs://my-bucket/run)"),
+        ("b\u00fccket", "has 'ü': a GCS bucket name is lowercase letters, digits, '-', '_' and '.'"),
+        ("b+kt", "has '+': a GCS bucket name is lowercase letters, digits, '-', '_' and '.'"),
+        ("192.168.5.4", "is an IP address"),
+        ("goog-ckpt", "begins with 'goog'"),
+        ("my-google-ckpt", "contains 'google'"),
+    ],
+)
+def test_a_gcs_bucket_name_gcs_refuses_is_refused_naming_the_uri_the_bucket_and_the_rule(
+    bucket: str, rule: str
+) -> None:
+    """Before the fix the client's own check surfaced later, bare ("Bucket names must start and end
+    with a number or letter."), from opening the store: ``spotjob run`` made the run and failed it
+    (InvalidCheckpointURI), and a name the client lets through was a 404 read as a missing bucket."""
+    uri = f"gs://{bucket}/run"
+    with pytest.raises(ValueError, match="GCS refuses such a bucket name") as caught:
+        parse_uri(uri)
+    message = str(caught.value)
+    assert repr(uri) in message and f"the bucket name {bucket!r} {rule}" in message, message
+    with pytest.raises(ValueError, match="GCS refuses such a bucket name"):
+        open_storage(uri)
+
+
+@pytest.mark.parametrize(
+    "bucket", ["bkt", "b" * 63, "my_ckpt-2", "a.b.c", ".".join(["b" * 63] * 3) + ".bb", "1.2.3.4.5", "9bkt"]
+)
+def test_a_gcs_bucket_name_gcs_takes_is_taken(bucket: str) -> None:
+    assert parse_uri(f"gs://{bucket}/run") == ("gs", bucket, "run")
 
 
 @pytest.mark.parametrize("name", ["run.1", "...", "..run", "run.."])
