@@ -364,7 +364,8 @@ _HOST_PORT = re.compile(r"(\[[^\[\]]*\]|[^:\[\]]*)(?::(.*))?", re.DOTALL)
 
 def _emulator_problem(host: str) -> str | None:
     """What is wrong with ``host`` as ``STORAGE_EMULATOR_HOST`` (said after naming the variable, and
-    its advice a URL that works), or ``None``."""
+    its advice a URL that works), or ``None``: only ``scheme://host[:port]`` works, as the client
+    puts the whole API path after it."""
     shown = _shown(host)
     if any(c.isspace() for c in host):
         stripped = host.strip()
@@ -394,9 +395,31 @@ def _emulator_problem(host: str) -> str | None:
             f"has the scheme {scheme.group(1)!r}, not http or https: google-cloud-storage sends its requests "
             "over HTTP, to a URL such as http://127.0.0.1:4443"
         )
-    problem = _authority_problem(re.split(r"[/?#]", host[scheme.end() :], maxsplit=1)[0])
+    authority = re.split(r"[/?#]", host[scheme.end() :], maxsplit=1)[0]
+    problem = _authority_problem(authority)
     if problem is not None:
         return f"{problem}: no request can go to it"
+    tail = host[scheme.end() + len(authority) :]
+    if tail not in ("", "/"):
+        # The client puts "/storage/v1/..." after the value as written: a path doubles it (or puts
+        # it under another), a query or a fragment swallows it. Every request is answered 404,
+        # which reads as a bucket that does not exist.
+        before_fragment = tail.partition("#")[0]
+        parts = [
+            part
+            for part, found in (
+                ("a path", before_fragment.partition("?")[0] not in ("", "/")),
+                ("a query", "?" in before_fragment),
+                ("a fragment", "#" in tail),
+            )
+            if found
+        ]
+        said = ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
+        url = _shown(host[: scheme.end() + len(authority)])
+        return (
+            f"has {said}: the client puts /storage/v1/... after it as written, so every request would be "
+            f"answered 404 (as if the bucket did not exist); write {url or 'the URL without it'}"
+        )
     if host.endswith("/"):
         # The client puts "/storage/v1/..." after it as written: every request would go to
         # "//storage/v1/...", answered 404, which reads as a bucket that does not exist.

@@ -458,6 +458,34 @@ def test_a_gcs_emulator_host_ending_in_a_slash_is_refused_rather_than_read_as_a_
 
 
 @pytest.mark.parametrize(
+    ("tail", "said"),
+    [
+        ("/storage/v1", "has a path"),
+        ("/storage/v1/", "has a path"),
+        ("?alt=json", "has a query"),
+        ("?", "has a query"),
+        ("#x", "has a fragment"),
+        ("/p?alt=json#x", "has a path, a query and a fragment"),
+    ],
+)
+def test_a_gcs_emulator_host_with_a_path_query_or_fragment_is_refused_rather_than_read_as_a_missing_bucket(
+    gcs_server: str, gcs_client: object, monkeypatch: pytest.MonkeyPatch, tail: str, said: str
+) -> None:
+    """The client puts ``/storage/v1/...`` after the value as written: a path doubles it, a query or
+    a fragment swallows it, and fake-gcs-server answered 404 to a bucket that exists, which
+    ``spotjob ckpt list`` said was a bucket to create. Refused when the store opens, as the
+    trailing ``/`` is, naming the variable and the URL to write."""
+    bucket = f"spotjob-{os.urandom(6).hex()}"
+    gcs_client.create_bucket(bucket)  # type: ignore[attr-defined]
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server + tail)
+    with pytest.raises(ValueError) as refused:
+        open_storage(f"gs://{bucket}/run")
+    text = str(refused.value)
+    assert text.startswith(f"STORAGE_EMULATOR_HOST={gcs_server + tail!r} {said}: "), text
+    assert "answered 404 (as if the bucket did not exist)" in text and text.endswith(f"; write {gcs_server}"), text
+
+
+@pytest.mark.parametrize(
     ("value", "said"),
     [
         ("ftp://127.0.0.1:4443", "has the scheme 'ftp', not http or https"),
@@ -490,7 +518,7 @@ def test_a_gcs_emulator_host_that_is_no_usable_url_is_refused_with_advice_that_w
     assert not re.search(r"http://\s*\w+://", text), text
 
 
-@pytest.mark.parametrize("value", ["http://[::1]:4443", "HTTPS://storage.test", "http://u:p@127.0.0.1:4443/prefix"])
+@pytest.mark.parametrize("value", ["http://[::1]:4443", "HTTPS://storage.test", "http://u:p@127.0.0.1:4443"])
 def test_a_gcs_emulator_host_that_is_a_url_is_taken_as_written(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", value)
     open_storage("gs://bkt/run").close()
