@@ -34,12 +34,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not args.out.strip():
         # os.path.abspath("") is the working directory: an unset "$OUT" would export into it.
         raise CommandError("OUT is empty: name the folder to write the export in (e.g. ./export)")
-    uri = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", args.out)
-    if uri:
-        # os.path.abspath("s3://b/x") is a local folder named "s3:" under the working directory.
+    if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", args.out) or re.match(r"(s3|gs|file):", args.out, re.IGNORECASE):
+        # os.path.abspath("s3://b/x") is a local folder named "s3:" under the working directory, and
+        # so is a store's URI a slash short (gs:/b/x) or without its slashes (gs:b, a folder "gs:b").
         raise CommandError(
             f"OUT {args.out!r} is a URI: export writes a local folder (this would have been a folder named "
-            f"{uri.group(1) + ':'!r} here); export to a local path, then copy the folder where it belongs "
+            f"{args.out.split('/', 1)[0]!r} here); export to a local path, then copy the folder where it belongs "
             "(aws s3 cp --recursive, gcloud storage cp --recursive)"
         )
     _need_torch_extra("export", ("torch", "numpy", "safetensors"))

@@ -239,6 +239,16 @@ TABLE: dict[str, Case] = {
     "an export to an s3:// OUT": Case(  # was a local folder named 's3:' under the working directory
         ["ckpt", "export", "{tmp}", "s3://bucket/export"], 2, ["OUT 's3://bucket/export' is a URI", "local path"]
     ),
+    "an export to a gs:/ OUT, one slash short": Case(  # was a local folder named 'gs:', exit 0
+        ["ckpt", "export", "{tmp}", "gs:/bucket/export"], 2,
+        ["OUT 'gs:/bucket/export' is a URI", "a folder named 'gs:' here", "local path"],
+    ),
+    "an export to a GS:bucket OUT, with no slash": Case(  # was a local folder named 'GS:bucket'
+        ["ckpt", "export", "{tmp}", "GS:bucket"], 2, ["OUT 'GS:bucket' is a URI", "a folder named 'GS:bucket' here"],
+    ),
+    "an export to a file: OUT": Case(
+        ["ckpt", "export", "{tmp}", "file:export"], 2, ["OUT 'file:export' is a URI", "local path"],
+    ),
     # -- resuming ---------------------------------------------------------------------------------
     "resuming a run that does not exist": Case(["run", "--resume", "nope"], 2, ["no run named 'nope'", "to resume"]),
     "status of an empty runs folder": Case(["status", "--runs-dir", ""], 2, ["--runs-dir is empty", "./spotjob-runs"]),
