@@ -143,6 +143,11 @@ upload's parts hold is bounded by ``SPOTJOB_STORAGE_MAX_BUFFER_BYTES``); 1024 st
 each are 800 Gbit/s, more than any NIC carries, and more than a prefix's request rate (S3: 3 500
 writes a second) serves. Above it, a typo (10000 for 100)."""
 
+MIN_PART_SIZE = 1 << 20
+"""The smallest download range (1 MiB), ``SPOTJOB_STORAGE_PART_SIZE``'s floor. A range streams to
+its file in blocks of 1 MiB whatever its size, so a smaller one saves no memory and only multiplies
+the requests: at 1 byte, a 400 kB file was some 210 000 range GETs."""
+
 MIN_BUFFER_BYTES = 1 << 20
 """The smallest upload buffer budget of a node, and of a store (1 MiB). Below it a bare number meant
 with a unit (``64`` for ``64MiB``): every part, chunk and file would go up alone, one at a time. Also
@@ -181,7 +186,10 @@ class StorageEnv(_ExactNames):
 
     # Upper bounds: agent.settings' MAX_* say why each is where it is.
     part_size: ByteSize | None = Field(
-        None, gt=0, le=MAX_TRANSFER_BYTES, description=_size_up_to_5gib("67108864 or 64MiB")
+        None,
+        ge=MIN_PART_SIZE,
+        le=MAX_TRANSFER_BYTES,
+        description=f"a size in bytes from 1MiB to 5GiB ({MIN_PART_SIZE} to {MAX_TRANSFER_BYTES}), e.g. 64MiB",
     )
     upload_part_size: ByteSize | None = Field(
         None, gt=0, le=MAX_TRANSFER_BYTES, description=_size_up_to_5gib("8388608 or 8MiB")

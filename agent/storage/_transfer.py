@@ -39,6 +39,7 @@ from agent.settings import (
     MAX_TIMEOUT_S,
     MAX_TRANSFER_BYTES,
     MIN_BUFFER_BYTES,
+    MIN_PART_SIZE,
     StorageEnv,
     load,
     local_world_size,
@@ -80,7 +81,7 @@ class TransferSettings:
     """
 
     part_size: int = 64 * MiB
-    """Bytes per ranged GET (S3 and GCS downloads)."""
+    """Bytes per ranged GET (S3 and GCS downloads), at least 1 MiB (``MIN_PART_SIZE``)."""
 
     upload_part_size: int = 8 * MiB
     """Bytes per S3 multipart part, at most 5 GiB (S3's largest part); S3 raises it to 5 MiB (its
@@ -137,6 +138,10 @@ class TransferSettings:
             value = getattr(self, name)
             if not 1 <= value <= MAX_TRANSFER_BYTES:
                 raise ValueError(f"{name} must be from 1 byte to 5 GiB ({MAX_TRANSFER_BYTES}), got {value}")
+        if self.part_size < MIN_PART_SIZE:
+            raise ValueError(
+                f"part_size must be from 1 MiB to 5 GiB ({MIN_PART_SIZE} to {MAX_TRANSFER_BYTES}), got {self.part_size}"
+            )
         if not 1 <= self.concurrency <= MAX_CONCURRENCY:
             raise ValueError(f"concurrency must be from 1 to {MAX_CONCURRENCY}, got {self.concurrency}")
         if not MIN_BUFFER_BYTES <= self.max_buffer_bytes <= MAX_BUFFER_BYTES:

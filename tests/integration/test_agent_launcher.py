@@ -844,7 +844,7 @@ MALFORMED = [
     ],
     [  # StorageEnv
         ("SPOTJOB_STORAGE_CONCURRENCY", "0", "a whole number from 1 to 1024"),
-        ("SPOTJOB_STORAGE_PART_SIZE", "64 megs", "a positive size in bytes"),
+        ("SPOTJOB_STORAGE_PART_SIZE", "64 megs", "a size in bytes from 1MiB to 5GiB"),
     ],
 ]
 

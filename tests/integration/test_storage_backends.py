@@ -701,9 +701,9 @@ def test_gcs_reads_a_file_of_one_part_in_one_request(
 
 class TestGCSFileOfSeveralParts:
     """A file of three parts, read through a recording proxy in front of fake-gcs-server: parts of
-    1000 bytes, 4 at a time."""
+    1 MiB (the smallest SPOTJOB_STORAGE_PART_SIZE), 4 at a time."""
 
-    SIZE = 2500
+    SIZE = 5 * MiB // 2
 
     @pytest.fixture
     def setup(
@@ -714,7 +714,7 @@ class TestGCSFileOfSeveralParts:
         make_storage: Callable[[str], Storage],
         monkeypatch: pytest.MonkeyPatch,
     ) -> tuple[Storage, FaultProxy, str, bytes]:
-        monkeypatch.setenv("SPOTJOB_STORAGE_PART_SIZE", "1000")
+        monkeypatch.setenv("SPOTJOB_STORAGE_PART_SIZE", "1MiB")
         monkeypatch.setenv("SPOTJOB_STORAGE_CONCURRENCY", "4")
         uri = fresh_uri("gs")
         proxy = fault_proxy(gcs_server, "gcs")
@@ -739,7 +739,7 @@ class TestGCSFileOfSeveralParts:
         store.get_file("step-1/shard", str(tmp_path / "back"), size=len(data), crc32c=crc32c_bytes(data))
         assert (tmp_path / "back").read_bytes() == data
         assert self.reads(proxy) == ["media"] * 3
-        with pytest.raises(CorruptObjectError, match="is 2500 bytes, the manifest says 2501"):
+        with pytest.raises(CorruptObjectError, match=f"is {self.SIZE} bytes, the manifest says {self.SIZE + 1}"):
             store.get_file("step-1/shard", str(tmp_path / "wrong"), size=len(data) + 1, crc32c=crc32c_bytes(data))
         assert self.reads(proxy) == ["media"] * 4
         assert leftovers(tmp_path) == ["back"]

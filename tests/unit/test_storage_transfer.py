@@ -118,6 +118,22 @@ class TestSettings:
         with pytest.raises(ValueError, match="SPOTJOB_STORAGE_UPLOAD_CHUNK_SIZE"):
             TransferSettings.from_env()
 
+    @pytest.mark.parametrize("value", ["1", "64KiB", str(MiB - 1)])
+    def test_a_download_range_below_1mib_is_refused_naming_the_variable_and_the_range(
+        self, monkeypatch: pytest.MonkeyPatch, value: str
+    ) -> None:
+        """``SPOTJOB_STORAGE_PART_SIZE=1`` was taken: a 400 kB restore sent some 210 000 one-byte
+        range GETs. A range streams to its file in blocks of 1 MiB, so a smaller one saves no memory
+        and only multiplies the requests."""
+        monkeypatch.setenv("SPOTJOB_STORAGE_PART_SIZE", value)
+        with pytest.raises(ValueError, match=f"SPOTJOB_STORAGE_PART_SIZE='{value}'") as refused:
+            TransferSettings.from_env()
+        assert "a size in bytes from 1MiB to 5GiB (1048576 to 5368709120)" in str(refused.value)
+        with pytest.raises(ValueError, match="part_size must be from 1 MiB to 5 GiB"):
+            TransferSettings(part_size=MiB - 1)
+        monkeypatch.setenv("SPOTJOB_STORAGE_PART_SIZE", "1MiB")
+        assert TransferSettings.from_env().part_size == MiB
+
     @pytest.mark.parametrize(
         ("variable", "value"),
         [
@@ -146,7 +162,7 @@ class TestSettings:
         [
             ("SPOTJOB_STORAGE_CONCURRENCY", "10000", "a whole number from 1 to 1024"),
             ("SPOTJOB_STORAGE_MAX_ATTEMPTS", "1000000000", "a whole number from 0 to 100"),
-            ("SPOTJOB_STORAGE_PART_SIZE", "64GiB", "a positive size in bytes up to 5GiB (5368709120)"),
+            ("SPOTJOB_STORAGE_PART_SIZE", "64GiB", "a size in bytes from 1MiB to 5GiB (1048576 to 5368709120)"),
             ("SPOTJOB_STORAGE_UPLOAD_PART_SIZE", "8GiB", "a positive size in bytes up to 5GiB (5368709120)"),
             ("SPOTJOB_STORAGE_UPLOAD_CHUNK_SIZE", "100GiB", "a positive size in bytes up to 5GiB (5368709120)"),
             ("SPOTJOB_STORAGE_MULTIPART_THRESHOLD", "5368709121", "a positive size in bytes up to 5GiB (5368709120)"),
