@@ -100,6 +100,7 @@ from orchestrator.reconciler._reasons import (
     FLUSH_FAILED,
     FLUSH_REQUEST_FAILED,
     FLUSH_REQUESTED,
+    FLUSH_REQUESTED_BY_USER,
     FLUSH_TIMED_OUT,
     FLUSH_UNWATCHED,
     FLUSHING,
@@ -331,7 +332,8 @@ class _Recovery(_FlushRequests):
             # requests still in flight first (none is sent anew), so that none goes untold.
             self._ask_to_flush(p, recovery, running, in_flight_only=True)
             seconds = (p.now - recovery.detected_at).total_seconds()
-            since = FLUSH_AFTER_REQUEST if recovery.cause is Cause.REQUESTED else FLUSH_AFTER_NOTICE
+            # Counted from the request even when a notice overtook it (a preemption after all).
+            since = FLUSH_AFTER_REQUEST if _started_by_request(recovery) else FLUSH_AFTER_NOTICE
             after = since.format(seconds=seconds) if _watched(p, recovery) else FLUSH_UNWATCHED
             self._enter_rescheduling(p, FLUSH_COMMITTED, step=step, uri=p.status.last_checkpoint.uri, after=after)
             return None
@@ -544,7 +546,12 @@ class _Recovery(_FlushRequests):
             self._event(p, why, message=message)
             if status.start_time is not None:
                 status.flushing_seconds += (p.now - recovery.detected_at).total_seconds()
-            if why is FLUSH_COMMITTED and recovery.cause is Cause.PREEMPTION and _watched(p, recovery):
+            if (
+                why is FLUSH_COMMITTED
+                and recovery.cause is Cause.PREEMPTION
+                and not _started_by_request(recovery)
+                and _watched(p, recovery)
+            ):
                 seconds = (p.now - recovery.detected_at).total_seconds()
                 p.metrics.append(methodcaller("notice_to_commit", seconds))
             outcome = _FLUSH_OUTCOME[why.name]
@@ -773,6 +780,13 @@ def _ranks_said(state: str | None) -> str:
     if state is None:  # no answer yet, or an older agent that does not say
         return "its agent said nothing of its ranks"
     return _RANKS_SAID.get(state, f"its agent last said its ranks were {state}: they had not taken the flush")
+
+
+def _started_by_request(recovery: RecoveryStatus) -> bool:
+    """Whether a person's flush request started the recovery (its clock runs from the request), a
+    notice that overtook it included: its flush time is not a notice's, in words nor in the
+    notice-to-commit histogram."""
+    return recovery.reason == FLUSH_REQUESTED_BY_USER.name
 
 
 def _watched(p: _Pass, recovery: RecoveryStatus) -> bool:
