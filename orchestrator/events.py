@@ -340,7 +340,9 @@ class _Events:
             identity = (event.type, event.reason, event.node, event_identity(event.reason, event.message))
             first = self._latest.get(identity)
             last = self._events.get((*identity, first)) if first is not None else None
-            if last is not None and _seconds(event.time, last.time) <= SERIES_WINDOW_SECONDS:
+            # A repeat dated before the last (a clock stepped back, a --resume on a machine behind)
+            # starts a new Event: merged, its time would come before its firstTime.
+            if last is not None and 0 <= _seconds(event.time, last.time) <= SERIES_WINDOW_SECONDS:
                 # The same fault again: counted on the one Event, which shows the latest words.
                 self._events[(*identity, first)] = RecordedEvent(
                     event.time, last.first_time, last.type, last.reason, event.message, last.node, last.count + 1

@@ -278,3 +278,18 @@ def test_a_repeat_later_than_the_series_window_after_the_last_is_a_new_event(tmp
 
     assert [e.count for e in events] == [2, 2]
     assert events[1].first_time == start + timedelta(seconds=2 * SERIES_WINDOW_SECONDS + 1)
+
+
+def test_a_repeat_dated_before_the_last_is_a_new_event(tmp_path: Path) -> None:
+    """A clock set back (a --resume on a machine behind): merged, the Event's time came before its
+    firstTime and it moved to the end of the oldest-first list."""
+    start = datetime(2026, 1, 1, 2, tzinfo=UTC)
+    times = iter([start, start - timedelta(days=7)])
+    sink = JsonlEventSink(str(tmp_path), now=lambda: next(times))
+    for _ in range(2):
+        sink.emit(KEY, EventType.WARNING, "StorageUnreachable", "503")
+
+    events = read_events(events_path(str(tmp_path), KEY))
+
+    assert [e.count for e in events] == [1, 1]
+    assert all(e.first_time <= e.time for e in events)
