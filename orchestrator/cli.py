@@ -42,7 +42,15 @@ class _CommandParser(argparse.ArgumentParser):
         given = list(sys.argv[1:] if args is None else args)
         positionals = [a for a in self._actions if not a.option_strings]
         rest = positionals[-1] if len(positionals) > 1 and positionals[-1].nargs == argparse.REMAINDER else None
-        at = None if rest is None else self._first_positional(given)
+        at = None
+        if rest is not None:
+            odd = [a.option_strings[0] for a in self._actions if a.option_strings and a.nargs not in (None, 0)]
+            if odd:  # a programming error, found by the parser tests
+                raise TypeError(
+                    f"{self.prog}: {odd} take an optional or a variable number of values: "
+                    "the split at SCRIPT cannot skip them"
+                )
+            at = self._first_positional(given)
         if rest is None or at is None:
             return super().parse_known_args(given, namespace)
         parsed, extras = super().parse_known_args(given[: at + 1], namespace)

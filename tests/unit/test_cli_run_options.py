@@ -1059,6 +1059,22 @@ def test_everything_after_the_script_is_the_scripts_as_given(given: list[str], s
     assert (parsed.script, parsed.args) == (script, args)
 
 
+def test_a_command_parser_refuses_an_option_whose_values_the_split_at_script_cannot_skip() -> None:
+    """The split skips one value after each option: an option of nargs '?' would have its SCRIPT
+    taken for its value, or its value for SCRIPT, without a word."""
+    import argparse
+
+    from orchestrator.cli import _CommandParser
+
+    parser = _CommandParser(prog="spotjob odd")
+    parser.add_argument("--maybe", nargs="?")
+    parser.add_argument("script")
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+
+    with pytest.raises(TypeError, match=r"\['--maybe'\] take an optional or a variable number of values"):
+        parser.parse_args(["--maybe", "train.py"])
+
+
 @pytest.mark.parametrize(
     ("left", "said"),
     [
