@@ -289,11 +289,16 @@ def test_a_runbook_url_of_the_alerts_section_itself_links_each_alerts_heading() 
         "job=`spotjob`",
         '"odd.name"!~"x"',
         'job="spotjob",kubernetes_namespace="monitoring",pod=~"a,namespace=b"',
+        ' job =~ "spot.*" , namespace!="ml", ',
+        'job="spotjob",namespace!~"dev|test"',
+        'job="spotjob","namespace"!="dev"',
     ],
 )
 def test_a_selector_of_promql_label_matchers_reaches_every_rule_as_valid_promql(selector: str) -> None:
     """Any list of PromQL matchers (the four operators, the three quotes, a quoted UTF-8 name, a
-    trailing comma) is taken, and every rule still parses."""
+    trailing comma) is taken, and every rule still parses. A ``namespace`` matcher that only leaves
+    namespaces out (``!=``, ``!~``) is taken too: ``job="spotjob",namespace!="dev"`` rendered before
+    the render refused namespace matchers, and was refused with the positive ones, wrongly."""
     found = alert_rules(render({"metrics": {"prometheusRule": {"enabled": True, "selector": selector}}}))
     assert len(found) >= 12
     for name, rule in found.items():
@@ -321,20 +326,24 @@ def test_a_selector_that_is_no_list_of_promql_matchers_fails_the_render_naming_i
     [
         'job="spotjob",namespace="monitoring"',
         'namespace=~"monitoring|ml"',
-        ' job="spotjob" , namespace != "ml"',
+        ' job="spotjob" , namespace = "ml"',
         '"namespace"="monitoring"',
+        'job="spotjob",namespace=~".*"',
     ],
 )
-def test_a_selector_that_matches_on_namespace_fails_the_render_naming_why(selector: str) -> None:
+def test_a_selector_that_keeps_only_some_namespaces_fails_the_render_naming_why(selector: str) -> None:
     """The selector goes into the per-job alerts too, whose series carry each SpotJob's own
     namespace (honor_labels, which the README requires), not the controller's: with
     ``job="spotjob",namespace="monitoring"``, the example the chart's own error message gave, all
-    eight per-job alerts selected nothing, and nothing said so. Found walking the chart as a user."""
+    eight per-job alerts selected nothing, and nothing said so. Found walking the chart as a user.
+    Every ``=`` and ``=~`` on namespace is refused, whatever its value (``=~".*"`` too: it keeps
+    nothing out, and is refused for the rule's simplicity); ``!=`` and ``!~`` are taken (above)."""
     proc = template({"metrics": {"prometheusRule": {"enabled": True, "selector": selector}}})
     assert proc.returncode != 0
-    said = f"metrics.prometheusRule.selector {json.dumps(selector)} matches on namespace"
+    said = f"metrics.prometheusRule.selector {json.dumps(selector)} matches on namespace with = or =~"
     assert said in proc.stderr, proc.stderr
     assert "each SpotJob's own namespace" in proc.stderr and 'job="spotjob"' in proc.stderr, proc.stderr
+    assert "!=" in proc.stderr and "!~" in proc.stderr, "the message says how to leave namespaces out"
 
 
 def test_the_flush_request_outcomes_exported_at_zero_are_the_answers_an_agent_gives() -> None:
