@@ -357,16 +357,22 @@ def test_not_running_keeps_one_for_clock_per_job_through_every_phase_that_is_not
     were keyed by ``phase`` too, and Prometheus keeps a ``for:`` clock per alert, so a job going from
     Pending to Rescheduling (a gang that could not start, stopped and tried again) and back started
     a new clock each time, and the alert fired late or never. Found walking the alerts as a user.
-    Now one series per job (the labels Prometheus keys the clock on: ``namespace`` and ``name``
-    only), 1 whichever phase short of Running and of an end the job is in."""
+    Now one series per job, 1 whichever phase short of Running and of an end the job is in.
+
+    It was then ``max by (namespace, name)``, which dropped every other label too: the ``cluster``
+    or tenant labels relabelling or a multi-cluster ruler adds (merging same-named jobs of two
+    clusters into one alert) and ``job``, which routing matches on. Now ``without`` the labels that
+    differ between the phases (``phase``) and between two controller pods of one install, the
+    leader before and after a failover (``instance`` and ``pod``, which the ServiceMonitor adds;
+    ``job``, ``namespace``, ``service``, ``endpoint`` and ``container`` are the same for both)."""
     rule = alert_rules(render(ON))["SpotJobNotRunning"]
     expr = promql_parser.parse(rule["expr"])
 
     assert isinstance(expr, promql_parser.BinaryExpr) and isinstance(expr.lhs, promql_parser.AggregateExpr), expr
     aggregated = expr.lhs
     assert str(aggregated.op) == "max" and aggregated.modifier is not None
-    assert aggregated.modifier.type == promql_parser.AggModifierType.By
-    assert sorted(aggregated.modifier.labels) == ["name", "namespace"]
+    assert aggregated.modifier.type == promql_parser.AggModifierType.Without
+    assert sorted(aggregated.modifier.labels) == ["instance", "phase", "pod"]
     assert str(expr.op) == "==" and str(expr.rhs) == "1"
     ((metric, _),) = selectors(rule["expr"])
     (phase,) = [m for m in aggregated.expr.matchers.matchers if m.name == "phase"]
