@@ -219,8 +219,13 @@ class ControllerMetrics:
     def job_state(self, namespace: str, name: str, status: JobStatus, max_restarts: int | None) -> None:
         with self._jobs_lock:
             self._seen(namespace, name)
+            # The new phase's 1 before the others' 0: a scrape (which takes no lock of ours) between
+            # the two writes sees the job in two phases, never in none, which would start the `for:`
+            # clock of an alert over several phases (SpotJobNotRunning) again.
+            self._phase.labels(namespace, name, status.phase.value).set(1)
             for phase in Phase:
-                self._phase.labels(namespace, name, phase.value).set(1 if status.phase is phase else 0)
+                if phase is not status.phase:
+                    self._phase.labels(namespace, name, phase.value).set(0)
             checkpoint = status.last_checkpoint
             self._set(self._checkpoint_time, namespace, name, None if checkpoint is None else checkpoint.time)
             self._set(self._checkpoint_step, namespace, name, None if checkpoint is None else checkpoint.step)

@@ -10,6 +10,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from prometheus_client import Gauge
 
 from orchestrator.k8s.cluster_signals import INTERRUPTION_ANNOTATION, ClusterSignals
 from orchestrator.k8s.health import HealthServer
@@ -209,6 +210,36 @@ def test_a_jobs_state_is_one_phase_its_newest_checkpoint_and_its_restarts_and_fo
     assert samples(metrics, "spotjob_job_phase")[f'{job},phase="Failed"'] == 1
     assert samples(metrics, "spotjob_job_max_restarts") == {}
     assert samples(metrics, "spotjob_job_last_checkpoint_step") == {}
+
+
+def test_a_scrape_during_a_phase_change_sees_the_job_in_some_phase_never_in_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The phase gauges were written in the enum's order, the old phase's 0 before the new one's 1:
+    a scrape between the two (the exposition takes no lock of the controller's) saw the job in no
+    phase at all on Running -> Flushing and Flushing -> Rescheduling, and SpotJobNotRunning's
+    single ``for:`` clock (max over Pending, Flushing, Rescheduling) started again. Found reading
+    the code. What a scrape would see is read after every gauge write: the job is always at 1 in
+    some phase, and after the write in its new one only."""
+    metrics = ControllerMetrics()
+    job = 'name="llama",namespace="team-a"'
+    seen: list[dict[str, float]] = []
+    real_set = Gauge.set
+
+    def set_and_scrape(gauge: Gauge, value: float) -> None:
+        real_set(gauge, value)
+        phases = samples(metrics, "spotjob_job_phase")
+        seen.append({k.rsplit('phase="', 1)[1].rstrip('"'): v for k, v in phases.items() if k.startswith(job)})
+
+    monkeypatch.setattr(Gauge, "set", set_and_scrape)
+    for phase in (Phase.PENDING, Phase.RUNNING, Phase.FLUSHING, Phase.RESCHEDULING, Phase.PENDING, Phase.FAILED):
+        seen.clear()
+        metrics.job_state("team-a", "llama", JobStatus(phase=phase), max_restarts=3)
+        scrapes = [s for s in seen if s]
+        assert scrapes, phase
+        for scrape in scrapes:
+            assert 1 in scrape.values(), f"a scrape during the change to {phase} saw no phase: {scrape}"
+        assert [p for p, v in scrapes[-1].items() if v == 1] == [phase.value]
 
 
 def test_a_jobs_flush_counters_start_at_zero_so_its_first_flush_is_an_increase() -> None:
