@@ -360,12 +360,14 @@ def _emulator_host() -> str | None:
 
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 _HOST_PORT = re.compile(r"(\[[^\[\]]*\]|[^:\[\]]*)(?::(.*))?", re.DOTALL)
+# The end of a path that repeats what the client puts after STORAGE_EMULATOR_HOST itself.
+_API_PATH = re.compile(r"(?:/upload|/download)(?:/storage/v1)?$|/storage/v1$")
 
 
 def _emulator_problem(host: str) -> str | None:
     """What is wrong with ``host`` as ``STORAGE_EMULATOR_HOST`` (said after naming the variable, and
-    its advice a URL that works), or ``None``: only ``scheme://host[:port]`` works, as the client
-    puts the whole API path after it."""
+    its advice a URL that works), or ``None``: ``scheme://host[:port]``, or with a path prefix
+    before the API's own path, which the client puts after it."""
     shown = _shown(host)
     if any(c.isspace() for c in host):
         stripped = host.strip()
@@ -399,23 +401,30 @@ def _emulator_problem(host: str) -> str | None:
     problem = _authority_problem(authority)
     if problem is not None:
         return f"{problem}: no request can go to it"
-    tail = host[scheme.end() + len(authority) :]
-    if tail not in ("", "/"):
-        # The client puts "/storage/v1/..." after the value as written: a path doubles it (or puts
-        # it under another), a query or a fragment swallows it. Every request is answered 404,
-        # which reads as a bucket that does not exist.
-        before_fragment = tail.partition("#")[0]
-        parts = [
-            part
-            for part, found in (
-                ("a path", before_fragment.partition("?")[0] not in ("", "/")),
-                ("a query", "?" in before_fragment),
-                ("a fragment", "#" in tail),
-            )
-            if found
-        ]
+    base = host[: scheme.end() + len(authority)]
+    tail = host[len(base) :]
+    before_fragment = tail.partition("#")[0]
+    path = before_fragment.partition("?")[0]
+    # The client puts "/storage/v1/..." (spotjob's transfers "/upload/storage/v1/...",
+    # "/download/storage/v1/...") after the value as written, so a path prefix (an emulator behind a
+    # gateway, http://gw:8080/gcs) works. A query or a fragment swallows what follows, an empty
+    # segment or the API's own path copied into the value doubles it: every request is answered
+    # 404, which reads as a bucket that does not exist.
+    parts = [part for part, found in (("a query", "?" in before_fragment), ("a fragment", "#" in tail)) if found]
+    fixed = path.rstrip("/")
+    if "//" in fixed:
+        parts.append("an empty path segment ('//')")
+        fixed = re.sub(r"/{2,}", "/", fixed)
+    api = _API_PATH.search(fixed)
+    if api is not None:
+        where = "the path" if api.start() == 0 else "a path ending in"
+        parts.append(f"{where} {api.group()!r}")
+        while api is not None:  # /storage/v1/storage/v1 too
+            fixed = fixed[: api.start()]
+            api = _API_PATH.search(fixed)
+    if parts:
         said = ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
-        url = _shown(host[: scheme.end() + len(authority)])
+        url = _shown(base + fixed)
         return (
             f"has {said}: the client puts /storage/v1/... after it as written, so every request would be "
             f"answered 404 (as if the bucket did not exist); write {url or 'the URL without it'}"

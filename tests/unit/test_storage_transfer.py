@@ -474,23 +474,28 @@ def test_a_gcs_emulator_host_ending_in_a_slash_is_refused_rather_than_read_as_a_
 
 
 @pytest.mark.parametrize(
-    ("tail", "said"),
+    ("tail", "said", "fixed"),
     [
-        ("/storage/v1", "has a path"),
-        ("/storage/v1/", "has a path"),
-        ("?alt=json", "has a query"),
-        ("?", "has a query"),
-        ("#x", "has a fragment"),
-        ("/p?alt=json#x", "has a path, a query and a fragment"),
+        ("/storage/v1", "has the path '/storage/v1'", ""),
+        ("/storage/v1/", "has the path '/storage/v1'", ""),
+        ("/gw/storage/v1", "has a path ending in '/storage/v1'", "/gw"),
+        ("/upload/storage/v1", "has the path '/upload/storage/v1'", ""),
+        ("/gw/download", "has a path ending in '/download'", "/gw"),
+        ("/gw//gcs", "has an empty path segment ('//')", "/gw/gcs"),
+        ("?alt=json", "has a query", ""),
+        ("?", "has a query", ""),
+        ("#x", "has a fragment", ""),
+        ("/p?alt=json#x", "has a query and a fragment", "/p"),
     ],
 )
-def test_a_gcs_emulator_host_with_a_path_query_or_fragment_is_refused_rather_than_read_as_a_missing_bucket(
-    gcs_server: str, gcs_client: object, monkeypatch: pytest.MonkeyPatch, tail: str, said: str
+def test_a_gcs_emulator_host_with_the_api_path_a_query_or_fragment_is_refused_rather_than_read_as_a_missing_bucket(
+    gcs_server: str, gcs_client: object, monkeypatch: pytest.MonkeyPatch, tail: str, said: str, fixed: str
 ) -> None:
-    """The client puts ``/storage/v1/...`` after the value as written: a path doubles it, a query or
-    a fragment swallows it, and fake-gcs-server answered 404 to a bucket that exists, which
-    ``spotjob ckpt list`` said was a bucket to create. Refused when the store opens, as the
-    trailing ``/`` is, naming the variable and the URL to write."""
+    """The client puts ``/storage/v1/...`` after the value as written: the API's own path copied
+    into it, or an empty segment, doubles it, a query or a fragment swallows it, and
+    fake-gcs-server answered 404 to a bucket that exists, which ``spotjob ckpt list`` said was a
+    bucket to create. Refused when the store opens, as the trailing ``/`` is, naming the variable
+    and the URL to write (a path prefix before them kept: a gateway's)."""
     bucket = f"spotjob-{os.urandom(6).hex()}"
     gcs_client.create_bucket(bucket)  # type: ignore[attr-defined]
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server + tail)
@@ -498,7 +503,8 @@ def test_a_gcs_emulator_host_with_a_path_query_or_fragment_is_refused_rather_tha
         open_storage(f"gs://{bucket}/run")
     text = str(refused.value)
     assert text.startswith(f"STORAGE_EMULATOR_HOST={gcs_server + tail!r} {said}: "), text
-    assert "answered 404 (as if the bucket did not exist)" in text and text.endswith(f"; write {gcs_server}"), text
+    assert "answered 404 (as if the bucket did not exist)" in text, text
+    assert text.endswith(f"; write {gcs_server + fixed}"), text
 
 
 @pytest.mark.parametrize(
@@ -534,8 +540,20 @@ def test_a_gcs_emulator_host_that_is_no_usable_url_is_refused_with_advice_that_w
     assert not re.search(r"http://\s*\w+://", text), text
 
 
-@pytest.mark.parametrize("value", ["http://[::1]:4443", "HTTPS://storage.test", "http://u:p@127.0.0.1:4443"])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "http://[::1]:4443",
+        "HTTPS://storage.test",
+        "http://u:p@127.0.0.1:4443/prefix",
+        "http://gw:8080/gcs",
+        "http://gw:8080/storage/v2",
+        "http://gw:8080/myupload",
+    ],
+)
 def test_a_gcs_emulator_host_that_is_a_url_is_taken_as_written(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """A path prefix works (the client and spotjob's transfers put the API's whole path after it):
+    an emulator behind a gateway under ``/gcs`` is taken, not only ``scheme://host[:port]``."""
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", value)
     open_storage("gs://bkt/run").close()
 
