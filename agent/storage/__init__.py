@@ -135,6 +135,15 @@ def parse_uri(uri: str) -> tuple[str, str, str]:
         if not parsed.netloc:
             raise ValueError(f"{uri!r} names no bucket; write {scheme}://BUCKET/PREFIX")
         prefix = parsed.path.strip("/")
+        # The bucket first: the prefix checks below advise a URI with the same bucket, which would
+        # then be refused for it (gs://b/a/../run told to write gs://b/run).
+        problem = _gcs_bucket_problem(parsed.netloc, prefix) if scheme == "gs" else None
+        if problem is not None:
+            raise ValueError(
+                f"{uri!r}: the bucket name {parsed.netloc!r} {problem}; GCS refuses such a bucket name (3 to 63 "
+                "lowercase letters, digits, '-', '_' and '.', starting and ending with a letter or a digit): "
+                "correct the bucket in the checkpoint URI (gs://BUCKET/prefix)"
+            )
         if "//" in prefix:
             # ``agent.launcher.canonical_uri`` and ``normalise_uri`` compare s3://b/a//c as s3://b/a/c,
             # and spotjob before 2026-12-03 wrote it under the keys "a//c/": neither spelling can be
@@ -163,13 +172,6 @@ def parse_uri(uri: str) -> tuple[str, str, str]:
                 f"the prefix of {uri[:80]!r}... is {prefix_bytes} bytes: S3 and GCS take object names of at most "
                 f"{MAX_OBJECT_NAME_BYTES} bytes and spotjob's names under the prefix need up to "
                 f"{PREFIX_RESERVE_BYTES + 1}, so a prefix may have at most {MAX_PREFIX_BYTES}; choose a shorter one"
-            )
-        problem = _gcs_bucket_problem(parsed.netloc, prefix) if scheme == "gs" else None
-        if problem is not None:
-            raise ValueError(
-                f"{uri!r}: the bucket name {parsed.netloc!r} {problem}; GCS refuses such a bucket name (3 to 63 "
-                "lowercase letters, digits, '-', '_' and '.', starting and ending with a letter or a digit): "
-                "correct the bucket in the checkpoint URI (gs://BUCKET/prefix)"
             )
         return scheme, parsed.netloc, prefix
     if scheme == "file":
@@ -205,11 +207,28 @@ def _gcs_bucket_problem(bucket: str, prefix: str) -> str | None:
     made: google-cloud-storage checks only the first and last characters, with a message that names
     neither the URI nor the bucket, and GCS answers the others 400 or 404 (read as a missing bucket).
     Emulators accept more (fake-gcs-server takes ``b``); spotjob holds them to GCS's rules, so a URI
-    that works against one works against GCS."""
+    that works against one works against GCS. Upper case is told the lower-case name only where
+    that name breaks no other rule."""
+    rule = _gcs_bucket_rule(bucket)
+    if rule is None:
+        return None
+    lower = bucket.lower()
+    if lower != bucket and _GCS_BUCKET_CHARACTERS.fullmatch(lower):
+        other = _gcs_bucket_rule(lower)
+        if other is None:
+            # No checkpoint can be under a bucket that cannot exist: the prefix is written tidy.
+            tidy = f"gs://{lower}/{_resolved(prefix)}".rstrip("/")
+            return f"{rule} (write {tidy})"
+        return f"has upper-case letters (GCS bucket names are lower case) and {other}"
+    return rule
+
+
+def _gcs_bucket_rule(bucket: str) -> str | None:
+    """The first of GCS's bucket naming rules ``bucket`` breaks, said after "the bucket name 'x'",
+    or ``None``."""
     if not _GCS_BUCKET_CHARACTERS.fullmatch(bucket):
         if _GCS_BUCKET_CHARACTERS.fullmatch(bucket.lower()):
-            lower = f"gs://{bucket.lower()}/{prefix}".rstrip("/")
-            return f"has upper-case letters: GCS bucket names are lower case (write {lower})"
+            return "has upper-case letters: GCS bucket names are lower case"
         others = [repr(c) for c in dict.fromkeys(bucket.lower()) if not _GCS_BUCKET_CHARACTERS.fullmatch(c)]
         upper = " (and upper-case letters)" if bucket != bucket.lower() else ""
         return f"has {', '.join(others)}{upper}: a GCS bucket name is lowercase letters, digits, '-', '_' and '.'"
@@ -231,6 +250,18 @@ def _gcs_bucket_problem(bucket: str, prefix: str) -> str | None:
     return None
 
 
+def _resolved(prefix: str) -> str:
+    """``prefix`` with its empty, ``.`` and ``..`` segments resolved as a URL would."""
+    parts: list[str] = []
+    for part in prefix.split("/"):
+        if part == "..":
+            if parts:
+                parts.pop()
+        elif part not in ("", "."):
+            parts.append(part)
+    return "/".join(parts)
+
+
 def _dot_segment_refused(uri: str, scheme: str, bucket: str, prefix: str, segment: str) -> str:
     """Why ``uri``, whose prefix holds the ``segment`` ``.`` or ``..``, is refused, and what to write.
 
@@ -238,14 +269,7 @@ def _dot_segment_refused(uri: str, scheme: str, bucket: str, prefix: str, segmen
     resolves it and so do tools and emulators on the way: fake-gcs-server writes and reads
     ``a/../b`` at ``b`` yet lists the literal prefix, so a save's checkpoints were not found by the
     next restore. Either reading taken silently loses sight of the other's checkpoints."""
-    parts: list[str] = []
-    for part in prefix.split("/"):
-        if part == "..":
-            if parts:
-                parts.pop()
-        elif part != ".":
-            parts.append(part)
-    resolved = "/".join(parts)
+    resolved = _resolved(prefix)
     tidy = f"{scheme}://{bucket}/{resolved}".rstrip("/")
     where = f"under {resolved + '/'!r}" if resolved else "to the top of the bucket"
     return (

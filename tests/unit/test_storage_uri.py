@@ -85,7 +85,7 @@ def test_a_tilde_path_is_refused_not_made_a_folder_named_tilde(uri: str) -> None
     assert parse_uri(f"./{uri}") == ("file", "", f"./{uri}")
 
 
-@pytest.mark.parametrize("uri", ["s3://b/jobs//run", "gs://b/jobs//run/", "S3://b/jobs///run"])
+@pytest.mark.parametrize("uri", ["s3://bkt/jobs//run", "gs://bkt/jobs//run/", "S3://bkt/jobs///run"])
 def test_a_doubled_slash_inside_a_prefix_is_refused_naming_the_spelling_and_where_old_checkpoints_are(
     uri: str,
 ) -> None:
@@ -97,7 +97,7 @@ def test_a_doubled_slash_inside_a_prefix_is_refused_naming_the_spelling_and_wher
     with pytest.raises(ValueError, match=r"has an empty folder \('//'\) in its path") as caught:
         parse_uri(uri)
     message = str(caught.value)
-    assert f"write {scheme}://b/jobs/run." in message
+    assert f"write {scheme}://bkt/jobs/run." in message
     assert "'jobs/run/'" in message and "jobs//run/" in message.replace("///", "//")
     with pytest.raises(ValueError, match="empty folder"):
         open_storage(uri)
@@ -106,19 +106,19 @@ def test_a_doubled_slash_inside_a_prefix_is_refused_naming_the_spelling_and_wher
 @pytest.mark.parametrize(
     ("uri", "segment", "tidy", "old_keys"),
     [
-        ("gs://b/a/../run", "..", "gs://b/run", "'a/../run/'"),
-        ("s3://b/a/../run", "..", "s3://b/run", "'a/../run/'"),
-        ("s3://b/jobs/./run/", ".", "s3://b/jobs/run", "'jobs/./run/'"),
-        ("gs://b/./run", ".", "gs://b/run", "'./run/'"),
-        ("GS://b/jobs/run/..", "..", "gs://b/jobs", "'jobs/run/../'"),
-        ("s3://b/../run", "..", "s3://b/run", "'../run/'"),
+        ("gs://bkt/a/../run", "..", "gs://bkt/run", "'a/../run/'"),
+        ("s3://bkt/a/../run", "..", "s3://bkt/run", "'a/../run/'"),
+        ("s3://bkt/jobs/./run/", ".", "s3://bkt/jobs/run", "'jobs/./run/'"),
+        ("gs://bkt/./run", ".", "gs://bkt/run", "'./run/'"),
+        ("GS://bkt/jobs/run/..", "..", "gs://bkt/jobs", "'jobs/run/../'"),
+        ("s3://bkt/../run", "..", "s3://bkt/run", "'../run/'"),
     ],
 )
 def test_a_dot_segment_in_a_bucket_prefix_is_refused_naming_it_and_what_to_write(
     uri: str, segment: str, tidy: str, old_keys: str
 ) -> None:
     """S3 and GCS keep '.' and '..' as literal names, while fake-gcs-server wrote and read
-    gs://b/a/../run at 'run/' but listed 'a/../run/': a save's checkpoints were never found by the
+    gs://bkt/a/../run at 'run/' but listed 'a/../run/': a save's checkpoints were never found by the
     restore after it. Failed before the fix: the URI was taken."""
     with pytest.raises(ValueError, match=f"has a '{re.escape(segment)}' segment in its path") as caught:
         parse_uri(uri)
@@ -162,6 +162,42 @@ def test_a_gcs_bucket_name_gcs_refuses_is_refused_naming_the_uri_the_bucket_and_
 
 
 @pytest.mark.parametrize(
+    ("uri", "said"),
+    [
+        ("gs://b/a/../run", "the bucket name 'b' is 1 character long: GCS takes 3 to 63"),
+        ("gs://b/jobs//run", "the bucket name 'b' is 1 character long: GCS takes 3 to 63"),
+        ("gs://-b/./run", "the bucket name '-b' must start and end with a letter or a digit"),
+        (
+            "gs://Ab/run",
+            "the bucket name 'Ab' has upper-case letters (GCS bucket names are lower case) and is 2 characters "
+            "long: GCS takes 3 to 63",
+        ),
+        (
+            "gs://GOOG-x/run",
+            "the bucket name 'GOOG-x' has upper-case letters (GCS bucket names are lower case) and begins with "
+            "'goog', which GCS keeps for itself",
+        ),
+        ("gs://My-Bucket/a//b/../run", "the bucket name 'My-Bucket' has upper-case letters"),
+    ],
+)
+def test_a_gcs_bucket_name_is_checked_before_the_prefix_so_no_advice_is_refused_in_turn(uri: str, said: str) -> None:
+    """The '//' and '.'/'..' checks ran first and told ``gs://b/a/../run`` to write ``gs://b/run``,
+    and upper case was told the lower-case name (``gs://ab/run``, ``gs://goog-x/run``): each
+    refused in turn for its bucket. The bucket's rule is named first; a URI is advised only where
+    it is taken."""
+    with pytest.raises(ValueError) as caught:
+        parse_uri(uri)
+    message = str(caught.value)
+    assert message.startswith(f"{uri!r}: {said}"), message
+    for advised in re.findall(r"write (gs://\S+?)[.;:)]?(?:\s|$)", message):
+        assert parse_uri(advised)[0] == "gs", advised
+    if "My-Bucket" in uri:
+        assert "write gs://my-bucket/a/run" in message, message
+    else:
+        assert "write gs://" not in message, message
+
+
+@pytest.mark.parametrize(
     "bucket", ["bkt", "b" * 63, "my_ckpt-2", "a.b.c", ".".join(["b" * 63] * 3) + ".bb", "1.2.3.4.5", "9bkt"]
 )
 def test_a_gcs_bucket_name_gcs_takes_is_taken(bucket: str) -> None:
@@ -194,7 +230,7 @@ def test_a_file_uri_without_an_absolute_path_is_refused_naming_what_to_write(uri
     assert repr(uri) in str(caught.value) and "plain path" in str(caught.value)
 
 
-@pytest.mark.parametrize("uri", ["s3://b/caf\udce9/run", "gs://b/run-\udcff"])
+@pytest.mark.parametrize("uri", ["s3://b/caf\udce9/run", "gs://bkt/run-\udcff"])
 def test_a_uri_that_is_not_utf8_is_refused_naming_it(uri: str) -> None:
     """Undecodable bytes on the command line reach Python as lone surrogates; boto3 and
     google-cloud-storage failed on them at the first write with a bare UnicodeEncodeError."""
@@ -207,7 +243,7 @@ def test_a_prefix_too_long_for_s3_and_gcs_names_is_refused_up_front() -> None:
     """S3 keys and GCS object names are at most 1024 bytes; the prefix leaves room for spotjob's own."""
     longest = "é" * (MAX_PREFIX_BYTES // 2) + "a" * (MAX_PREFIX_BYTES % 2)
     assert parse_uri(f"s3://b/{longest}") == ("s3", "b", longest)
-    for uri in (f"s3://b/{longest}x", f"gs://b/{'é' * 1000}"):
+    for uri in (f"s3://b/{longest}x", f"gs://bkt/{'é' * 1000}"):
         with pytest.raises(ValueError, match=f"may have at most {MAX_PREFIX_BYTES}; choose a shorter one"):
             parse_uri(uri)
     assert parse_uri("/" + "d/" * 600) == ("file", "", "/" + "d/" * 600)  # a folder: the filesystem's limits
