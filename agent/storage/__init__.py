@@ -139,11 +139,7 @@ def parse_uri(uri: str) -> tuple[str, str, str]:
         # then be refused for it (gs://b/a/../run told to write gs://b/run).
         problem = _gcs_bucket_problem(parsed.netloc, prefix) if scheme == "gs" else None
         if problem is not None:
-            raise ValueError(
-                f"{uri!r}: the bucket name {parsed.netloc!r} {problem}; GCS refuses such a bucket name (3 to 63 "
-                "lowercase letters, digits, '-', '_' and '.', starting and ending with a letter or a digit): "
-                "correct the bucket in the checkpoint URI (gs://BUCKET/prefix)"
-            )
+            raise ValueError(f"{uri!r}: the bucket name {parsed.netloc!r} {problem}")
         if "//" in prefix:
             # ``agent.launcher.canonical_uri`` and ``normalise_uri`` compare s3://b/a//c as s3://b/a/c,
             # and spotjob before 2026-12-03 wrote it under the keys "a//c/": neither spelling can be
@@ -202,13 +198,13 @@ _DOTTED_DECIMAL = re.compile(r"[0-9]+(\.[0-9]+){3}")
 
 
 def _gcs_bucket_problem(bucket: str, prefix: str) -> str | None:
-    """Which of GCS's bucket naming rules ``bucket`` breaks, said after "the bucket name 'x'", or
-    ``None``. No bucket breaking one can exist, so a URI naming one is refused before anything is
-    made: google-cloud-storage checks only the first and last characters, with a message that names
-    neither the URI nor the bucket, and GCS answers the others 400 or 404 (read as a missing bucket).
-    Emulators accept more (fake-gcs-server takes ``b``); spotjob holds them to GCS's rules, so a URI
-    that works against one works against GCS. Upper case is told the lower-case name only where
-    that name breaks no other rule."""
+    """Which of GCS's bucket naming rules ``bucket`` breaks and what to do, said after "the bucket
+    name 'x'", or ``None``. No bucket breaking one can exist, so a URI naming one is refused before
+    anything is made: google-cloud-storage checks only the first and last characters, with a message
+    that names neither the URI nor the bucket, and GCS answers the others 400 or 404 (read as a
+    missing bucket). Emulators accept more (fake-gcs-server takes ``b``); spotjob holds them to GCS's
+    rules, so a URI that works against one works against GCS. Upper case is told the lower-case
+    name only where that name breaks no other rule."""
     rule = _gcs_bucket_rule(bucket)
     if rule is None:
         return None
@@ -218,9 +214,9 @@ def _gcs_bucket_problem(bucket: str, prefix: str) -> str | None:
         if other is None:
             # No checkpoint can be under a bucket that cannot exist: the prefix is written tidy.
             tidy = f"gs://{lower}/{_resolved(prefix)}".rstrip("/")
-            return f"{rule} (write {tidy})"
-        return f"has upper-case letters (GCS bucket names are lower case) and {other}"
-    return rule
+            return f"{rule}; write {tidy}"
+        rule = f"has upper-case letters (GCS bucket names are lower case) and {other}"
+    return f"{rule}; correct the bucket in the checkpoint URI (gs://BUCKET/prefix)"
 
 
 def _gcs_bucket_rule(bucket: str) -> str | None:
@@ -242,7 +238,7 @@ def _gcs_bucket_rule(bucket: str) -> str | None:
     if len(part) > 63:
         return f"has a dot-separated part {len(part)} characters long: GCS takes at most 63"
     if _DOTTED_DECIMAL.fullmatch(bucket):
-        return "is an IP address: GCS takes no bucket name in dotted-decimal notation"
+        return "is in dotted-decimal form (as an IP address is), which GCS refuses for a bucket name"
     if bucket.startswith("goog"):
         return "begins with 'goog', which GCS keeps for itself"
     if "google" in bucket:

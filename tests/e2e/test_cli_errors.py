@@ -117,7 +117,8 @@ TABLE: dict[str, Case] = {
         ["--checkpoint-uri", "'gs://-b/run'", "the bucket name '-b' must start and end with a letter or a digit"],
     ),
     "listing a gs:// URI whose bucket name GCS refuses": Case(  # was the client's bare words, no URI
-        ["ckpt", "list", "gs://../run"], 2, ["'gs://../run'", "the bucket name '..'", "GCS refuses"],
+        ["ckpt", "list", "gs://../run"], 2,
+        ["'gs://../run'", "the bucket name '..' must start and end with a letter or a digit; correct the bucket"],
     ),
     "credentials in a checkpoint URI": Case(
         ["run", "--checkpoint-uri", "s3://AKIAIOSFODNN7EXAMPLE:wJalrXUtnFEMI@bucket/run", T], 2,
