@@ -104,15 +104,15 @@ def _local_world_size(world_size: int) -> int | None:
 def _uri_text(uri: Any) -> str:
     """The checkpoint URI as a string: a ``pathlib.Path`` (any ``os.PathLike`` naming a str path) is
     the folder it names; anything else but a string is a ``TypeError`` naming it (an int or a Path
-    reached the URI parser as an ``AttributeError`` about ``strip``)."""
-    if uri is None:
-        return ""  # open_storage says the URI is empty, and what to write
+    reached the URI parser as an ``AttributeError`` about ``strip``). None is one too: most often
+    ``os.environ.get(...)`` of a variable that is unset, where ``from_env()`` names it."""
     if isinstance(uri, os.PathLike):
         uri = os.fspath(uri)
     if not isinstance(uri, str):
+        hint = f"; Checkpointer.from_env() takes it from {ENV_CHECKPOINT_URI}" if uri is None else ""
         raise TypeError(
             f"the checkpoint URI must be a string (s3://bucket/prefix, gs://bucket/prefix or a folder's path) "
-            f"or a pathlib.Path, got {uri!r} ({type(uri).__name__})"
+            f"or a pathlib.Path, got {uri!r} ({type(uri).__name__}){hint}"
         )
     return uri
 

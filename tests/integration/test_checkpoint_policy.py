@@ -239,6 +239,22 @@ def test_a_pathlib_path_names_the_folder_and_a_uri_that_is_not_text_is_a_type_er
             Checkpointer(value)  # type: ignore[arg-type]
 
 
+def test_a_uri_of_none_is_a_type_error_naming_what_to_pass_and_from_env_names_its_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Checkpointer(os.environ.get(...))`` with the variable unset passes None: it was a
+    ``ValueError`` about an empty URI, where the README says anything but a string or a Path is a
+    ``TypeError``. ``from_env()`` with ``SPOTJOB_CHECKPOINT_URI`` unset keeps its own error."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("SPOTJOB_CHECKPOINT_URI", raising=False)
+    with pytest.raises(TypeError, match=r"^the checkpoint URI must be a string .* got None .*from_env\(\)"):
+        Checkpointer(None)  # type: ignore[arg-type]
+    for kwargs in ({}, {"uri": None}):
+        with pytest.raises(ValueError, match=r"^no checkpoint URI: set SPOTJOB_CHECKPOINT_URI"):
+            Checkpointer.from_env(**kwargs)
+    assert os.listdir(tmp_path) == []
+
+
 def test_numpy_integers_are_whole_numbers_of_steps(tmp_path: Path) -> None:
     numpy = pytest.importorskip("numpy")
     with Checkpointer(str(tmp_path / "ckpt"), every_steps=numpy.int64(5), keep=numpy.int32(2)) as ckpt:
