@@ -280,6 +280,8 @@ class Checkpointer(_Saving, _Restoring):
         self.last_save_seconds: float | None = None
         self.last_blocking_seconds: float | None = None
         self._flushed = False
+        self._flushed_step: int | None = None
+        """The step the flush committed: a later ``save()`` moves ``last_committed_step`` on."""
         self._fenced: FencedSaveError | None = None
         self._stager: Any = None
         # DCP's save plans of the last save, reused while the state keeps its structure.
@@ -370,6 +372,7 @@ class Checkpointer(_Saving, _Restoring):
             # Before any failed save is raised: the flush settles (and logs) a save in flight that
             # failed, and writes this step anyway.
             self._flush(step, state, metadata)
+            self._flushed_step = step
             return True
         if vote.failed_save is not None:
             self._raise_agreed_failure(vote.failed_save)
@@ -539,7 +542,7 @@ class Checkpointer(_Saving, _Restoring):
             "more is saved. Stop the training loop when step() returns True (`if ckpt.step(...): break`); "
             "under spotjob-agent a command still running after its flush is killed (--exit-timeout)",
             step,
-            self.last_committed_step,
+            self._flushed_step,
         )
 
     def _warn_if_repeated(self, step: int) -> None:

@@ -423,6 +423,27 @@ def test_a_loop_that_goes_on_after_step_returned_true_is_told_to_stop(
     assert [step for step, _ in commits(str(tmp_path / "ckpt"))] == [2]
 
 
+def test_the_warning_after_a_flush_names_the_flushs_step_not_a_later_saves(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A script that saves once more after its flush (``save(3)``, then ``step(3)``): the warning
+    read "a flush committed step 3", the later save's step, where the flush committed step 2."""
+    state = make_state(0)
+    control = tmp_path / "control"
+    caplog.set_level("WARNING", logger="agent.checkpoint")
+    with Checkpointer(str(tmp_path / "ckpt"), control_dir=str(control)) as ckpt:
+        ckpt.step(1, state)
+        ControlDir(str(control)).request_flush(FlushRequest(reason="test notice"))
+        assert ckpt.step(2, state) is True
+        ckpt.save(3, state)
+        ckpt.wait()
+        assert ckpt.last_committed_step == 3
+        assert ckpt.step(3, state) is True
+    told = [r.getMessage() for r in caplog.records if "returned True" in r.getMessage()]
+    assert len(told) == 1, told
+    assert "step(3) after step() returned True: a flush committed step 2 " in told[0]
+
+
 def test_a_run_that_never_restored_is_told_its_commits_sort_below_the_jobs_newer_checkpoint(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
