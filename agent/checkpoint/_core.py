@@ -64,6 +64,8 @@ class _Core:
     _last_step: int | None
     _last_saved_step: int | None
     _flushed: bool
+    _start_fresh_by: str
+    """What set ``config.start_fresh``: ``start_fresh=True`` passed, or ``SPOTJOB_START_FRESH``."""
     _stager: Any
     _closed: bool
     _pid: int

@@ -819,10 +819,10 @@ class _Restoring(_Voting):
             if self.config.start_fresh:
                 # Asked for "step 0" and resumed from step N without a word otherwise.
                 log.info(
-                    "start_fresh (%s) is set and step %d loads, so the run resumes from it: start_fresh "
+                    "start_fresh is set (%s) and step %d loads, so the run resumes from it: start_fresh "
                     "starts from step 0 only where a restore would refuse, so that leaving it set across "
                     "restarts keeps their progress. To start over from step 0, use a new URI",
-                    ENV_START_FRESH,
+                    self._start_fresh_by,
                     manifest.step,
                 )
 

@@ -183,6 +183,8 @@ class Checkpointer(_Saving, _Restoring):
                 f"take the agent's, or pass the same number"
             )
         attempt = attempt if attempt is not None else env.attempt
+        # The restore's log line names what set it: a script's argument, or the agent's variable.
+        self._start_fresh_by = ENV_START_FRESH if start_fresh is None else "start_fresh=True"
         start_fresh = env.start_fresh if start_fresh is None else switch(start_fresh, "start_fresh")
         read_only = switch(read_only, "read_only")
         if read_only and start_fresh:

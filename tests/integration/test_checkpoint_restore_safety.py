@@ -233,6 +233,10 @@ def test_start_fresh_keeps_the_refused_checkpoints_out_of_restore_and_retention_
     assert_same(again["model"].state_dict(), saved_new, "the new run's newest state")
     [said] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("start_fresh")]
     assert "step 7 loads, so the run resumes from it" in said and "use a new URI" in said, said
+    # It names what set it: it named SPOTJOB_START_FRESH to a script that passed start_fresh=True.
+    by = "start_fresh=True" if how == "argument" else "SPOTJOB_START_FRESH"
+    assert said.startswith(f"start_fresh is set ({by}) "), said
+    assert how == "environment" or "SPOTJOB_START_FRESH" not in said, said
 
 
 def test_when_every_checkpoint_is_broken_start_fresh_begins_at_step_0_without_deleting_them(tmp_path: Path) -> None:
