@@ -4,6 +4,7 @@ verified as it is read, the state changed only once every rank has read its part
 from __future__ import annotations
 
 import copy
+import errno
 import logging
 import os
 import shutil
@@ -28,7 +29,12 @@ from agent.checkpoint._core import size_text
 from agent.checkpoint._save import _wait_for_saves_elsewhere
 from agent.checkpoint._state import _model_state, _ModuleBag
 from agent.checkpoint._vote import _Voting
-from agent.checkpoint.errors import CheckpointUriError, MissingStateKeysError, RestoreRefusedError
+from agent.checkpoint.errors import (
+    CheckpointUriError,
+    MissingStateKeysError,
+    RestoreRefusedError,
+    StorageRefusedError,
+)
 from agent.control_channel import ENV_START_FRESH
 from agent.crc32c import crc32c_bytes, to_hex
 from agent.dcp_safe import (
@@ -56,11 +62,30 @@ class _Failure:
     """How one attempt to load a checkpoint failed, worst first when ranks disagree."""
 
     REFUSED = "refused"  # the store refuses for good (permission denied): retrying cannot help
+    STAGING = "staging"  # this node's staging folder (the restore cache) refuses: full, read-only, denied
     UNAVAILABLE = "unavailable"  # storage failed, or something that proves nothing about the checkpoint
     INCOMPATIBLE = "incompatible"  # the checkpoint is fine; this script's state cannot take it
     GONE = "gone"  # deleted while read (another process's retention): walk again from the newest
     BAD = "bad"  # proven bad: skip it for an older one
-    SEVERITY = (REFUSED, UNAVAILABLE, INCOMPATIBLE, GONE, BAD)
+    SEVERITY = (REFUSED, STAGING, UNAVAILABLE, INCOMPATIBLE, GONE, BAD)
+
+
+_LOCAL_REFUSALS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+"""How a local disk refuses for good: full or over quota, read-only, not this user's to write."""
+
+
+def _staging_refusal(e: OSError, staging: str) -> str:
+    """Why the restore cache in the staging folder ``staging`` could not be written, where, and what
+    to do (in the words a save's ``_writing_failure`` uses for the same folder)."""
+    where = f"{e.strerror or e} ({e.filename or staging})"
+    elsewhere = "Checkpointer(staging_dir=...), SPOTJOB_STAGING_DIR or spotjob-agent --staging-dir"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (
+            f"{where}: the disk of the staging folder {staging} is full or over its quota; free space "
+            f"there, or stage on another disk ({elsewhere})"
+        )
+    why = "is on a read-only filesystem" if e.errno == errno.EROFS else "is not writable by this user"
+    return f"{where}: the staging folder {staging} {why}; stage in a folder this process can write ({elsewhere})"
 
 
 NEWER_SPOTJOB = "written by a newer spotjob"
@@ -670,8 +695,16 @@ class _Restoring(_Voting):
                 lineage = None
                 walk = list(refs)
                 continue
+            mixed = "; the state was partly loaded from it on some rank: do not train on from it" if loaded else ""
+            if kind == _Failure.STAGING:
+                # This node's disk, not the store: never reported as an infrastructure error, since a
+                # restart on this node meets the same full or read-only folder.
+                raise StorageRefusedError(
+                    f"cannot restore {url(ref.folder)}: the staging folder where this node caches what it "
+                    f"downloads refuses: {reason}{mixed}. The store is not at fault and retrying cannot help: "
+                    "fix the staging folder, then start the job again"
+                )
             if kind in (_Failure.REFUSED, _Failure.UNAVAILABLE):
-                mixed = "; the state was partly loaded from it on some rank: do not train on from it" if loaded else ""
                 raise self._storage_failure(
                     f"reading {url(ref.folder)}: {reason}{mixed}", permanent=kind == _Failure.REFUSED
                 )
@@ -1264,6 +1297,8 @@ class _Restoring(_Voting):
                     f"removed it): {e}"
                 ),
             )
+        elif (disk := self._staging_disk_error(e)) is not None:
+            kind, msg = _Failure.STAGING, f"rank {self.rank}: {_staging_refusal(disk, self._staging_root)}"
         elif isinstance(e, _PROVEN_BAD):
             if isinstance(e, CorruptObjectError):
                 what = "corrupt"
@@ -1295,6 +1330,26 @@ class _Restoring(_Voting):
         else:
             log.warning("restore: %s: %s", self.storage.url(ref.folder), msg)
         return kind, msg
+
+    def _staging_disk_error(self, e: BaseException) -> OSError | None:
+        """The local disk's refusal behind ``e`` (full, over quota, read-only, not writable) when
+        ``e`` came from filling the restore cache in the staging folder: the checkpoint is read from
+        an object store, so nothing else this rank does writes a local file. None otherwise (a
+        filesystem store's own refusal is the store's)."""
+        if self.storage.local_path("") is not None:
+            return None
+        seen: BaseException | None = e
+        while seen is not None:  # the OSError itself, or the StorageError it was translated to
+            # Denied is a disk's only with a file named: a socket's connect() is refused so too
+            # (a firewall), and that is the store's to answer.
+            if (
+                isinstance(seen, OSError)
+                and seen.errno in _LOCAL_REFUSALS
+                and (seen.errno not in (errno.EACCES, errno.EPERM) or seen.filename is not None)
+            ):
+                return seen
+            seen = seen.__cause__
+        return None
 
     def _committed_listing(self, passed: set[str]) -> tuple[list[CheckpointRef], bool]:
         """(rank 0) The checkpoint folders, and whether any not retired nor ``passed`` (another

@@ -443,8 +443,9 @@ class RangeSink:
     a server that ignores the Range header cannot write over a neighbouring range.
     """
 
-    def __init__(self, fd: int, offset: int, length: int, what: str) -> None:
+    def __init__(self, fd: int, offset: int, length: int, what: str, path: str | None = None) -> None:
         self._fd = fd
+        self._path = path  # the local file ``fd`` is, for messages: ``pwrite``'s errors name none
         self._pos = offset
         self._length = length
         self._what = what
@@ -470,10 +471,16 @@ class RangeSink:
         self.crc = crc32c_bytes(data, self.crc)
         view = memoryview(data)
         with local_file(f"cannot write what was downloaded of {self._what} to the local file"):
-            while view:
-                written = os.pwrite(self._fd, view, self._pos)
-                self._pos += written
-                view = view[written:]
+            try:
+                while view:
+                    written = os.pwrite(self._fd, view, self._pos)
+                    self._pos += written
+                    view = view[written:]
+            except OSError as e:
+                if e.filename is not None or self._path is None:
+                    raise
+                # Which file, on which disk: a full disk here is the local one, not the store.
+                raise OSError(e.errno, e.strerror, self._path) from e
 
 
 class FetchRange(Protocol):
@@ -518,7 +525,7 @@ def download_verified(
             label = f"GET {what} bytes={offset}-{offset + length - 1}"
 
             def attempt() -> int:
-                sink = RangeSink(fd, offset, length, what)
+                sink = RangeSink(fd, offset, length, what, tmp)
                 fetch(offset, length, sink)
                 sink.flush()
                 if sink.received != length:

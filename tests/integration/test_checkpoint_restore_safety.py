@@ -14,8 +14,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -146,6 +148,50 @@ def test_a_store_that_denies_access_stops_the_restore_without_an_infrastructure_
     assert uri in str(refused.value) and "Retrying cannot help" in str(refused.value)
     assert_same(snapshot(state), untouched, "the state (nothing older may be loaded)")
     assert not (control / INFRA_ERROR_FILE).exists()
+
+
+_pwrite, _makedirs = os.pwrite, os.makedirs
+
+
+@pytest.mark.parametrize(("code", "says"), [(errno.ENOSPC, "full or over its quota"), (errno.EROFS, "read-only")])
+def test_a_staging_folder_that_refuses_the_download_is_named_and_is_no_infrastructure_error(
+    fresh_uri: Callable[[str], str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, says: str
+) -> None:
+    """The node's own disk refuses the restore cache (full: a download's ``pwrite``; read-only: its
+    folder cannot be made): the staging folder is named with what to do, and it is neither called
+    the store's fault nor reported to the agent (exit 74 would restart the job on it for ever)."""
+    uri = fresh_uri("s3")
+    state = make_state(0)
+    with Checkpointer(uri, staging_dir=str(tmp_path / "saved-from")) as ckpt:
+        train(state, 1)
+        ckpt.save(1, state)
+    staging, control = tmp_path / "staging", tmp_path / "control"
+
+    def pwrite(fd: int, data: Any, offset: int) -> int:
+        if code == errno.ENOSPC and os.readlink(f"/proc/self/fd/{fd}").startswith(str(staging)):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return _pwrite(fd, data, offset)
+
+    def makedirs(path: Any, *args: Any, **kwargs: Any) -> None:
+        if code == errno.EROFS and str(path).startswith(str(staging)):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        _makedirs(path, *args, **kwargs)
+
+    restored = make_state(0, seed=9)
+    untouched = snapshot(restored)
+    with Checkpointer(uri, staging_dir=str(staging), control_dir=str(control)) as ckpt:
+        with monkeypatch.context() as m:
+            m.setattr(os, "pwrite", pwrite)
+            m.setattr(os, "makedirs", makedirs)
+            with pytest.raises(StorageRefusedError) as refused:
+                ckpt.restore(restored)
+        said = str(refused.value)
+        assert f"the staging folder {staging}" in said and says in said, said
+        assert "SPOTJOB_STAGING_DIR" in said and "retrying cannot help" in said, said
+        assert "is unavailable" not in said and "fix the store" not in said, said
+        assert not (control / INFRA_ERROR_FILE).exists()
+        assert_same(snapshot(restored), untouched, "the state (nothing may be loaded)")
+        assert ckpt.restore(restored) == 1  # the disk has room again
 
 
 # -- a model that changed -----------------------------------------------------------------------

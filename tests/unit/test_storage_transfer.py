@@ -3,6 +3,7 @@ and how client exceptions are classified. No servers."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import random
@@ -900,6 +901,25 @@ def test_a_range_refuses_bytes_past_its_end(tmp_path: object) -> None:
         sink.flush()
         assert (sink.received, sink.crc) == (3, crc(b"abc"))
         assert os.pread(fd, 3, 4) == b"abc"
+    finally:
+        os.close(fd)
+
+
+def test_a_range_that_meets_a_full_disk_names_the_local_file(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pwrite``'s error names no file: the sink names the one it writes, so a full local disk
+    is not taken for the store's."""
+    path = os.path.join(str(tmp_path), "f.part")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+
+    def full(*args: object) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    try:
+        sink = RangeSink(fd, 0, 3, "gs://bkt/k", path)
+        sink.write(b"abc")
+        monkeypatch.setattr(os, "pwrite", full)
+        with pytest.raises(PermanentStorageError, match=re.escape(f"no space left (or quota exceeded) ({path})")):
+            sink.flush()
     finally:
         os.close(fd)
 
