@@ -22,7 +22,7 @@ from agent.checkpoint.errors import CheckpointError, RestoreError, StorageRefuse
 from agent.control_channel import ControlDir, RankStatus
 from agent.ownership import check_not_fenced
 from agent.pins import Pinner
-from agent.restore_cache import staging_dir_problem
+from agent.restore_cache import default_staging, staging_dir_problem
 from agent.storage import PermanentStorageError, Storage, StorageError
 
 log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
@@ -173,11 +173,27 @@ class _Core:
         No save of this job can be in flight yet, so every ``step-*`` folder there is garbage —
         on a filesystem store a full copy of a rank's shards beside the checkpoints. The folder is
         this job's own (``agent.restore_cache.staging_root``): another job's saves are elsewhere.
+        A filesystem store's default staging folder, ``<uri>/.spotjob-staging``, is cleared too when
+        the job now stages elsewhere (``staging_dir``, as spotjob-agent on Kubernetes always
+        passes): a save killed before the job was given one left it there, and its files, hard
+        links of a whole checkpoint's, kept that checkpoint's blocks on the disk after retention
+        deleted its step folder.
         """
         if int(os.environ.get("LOCAL_RANK", self.rank)) != 0:
             return
+        roots = [self._staging_root]
+        if self.storage.local_path("") is not None:
+            default = default_staging(self.storage, self.config.job)
+            if os.path.abspath(default) != os.path.abspath(self._staging_root):
+                roots.append(default)
+        for root in roots:
+            self._clean_staging_folder(root)
+
+    @staticmethod
+    def _clean_staging_folder(root: str) -> None:
+        """Remove the ``step-*`` folders in the staging folder ``root`` that no save holds."""
         try:
-            entries = list(os.scandir(self._staging_root))
+            entries = list(os.scandir(root))
         except (FileNotFoundError, NotADirectoryError):
             # Nothing staged there. A file in the way of the default staging folder is a URI
             # that is a file, which claiming the URI reports; of a given one, _check_staging_dir.

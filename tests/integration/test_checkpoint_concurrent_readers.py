@@ -23,6 +23,7 @@ import agent.checkpoint._restore as restore_module
 import agent.checkpoint._save as save_module
 from agent.catalog import list_checkpoints, verify_deep
 from agent.checkpoint import Checkpointer, RestoreRefusedError
+from agent.checkpoint._core import lock_staging_folder
 from agent.dcp_safe import IN_PLACE_READS, VerifiedReader
 from agent.storage import open_storage
 from orchestrator import ckpt_export, ckpt_select
@@ -78,6 +79,26 @@ def test_a_stale_staging_folder_is_still_removed(tmp_path: Path) -> None:
     (stale / "__0_0.distcp").write_bytes(b"partial")
     Checkpointer(str(root), keep=None, job="eval", async_save=False).close()
     assert not stale.parent.exists()
+
+
+def test_a_stale_default_staging_folder_is_removed_when_the_job_stages_elsewhere(tmp_path: Path) -> None:
+    """A save killed while the job staged beside its checkpoints (no staging folder given) left its
+    folder in ``<uri>/.spotjob-staging``; the job then runs with one (spotjob-agent on Kubernetes
+    always gives one). The leftover, hard links of a whole checkpoint's files, still goes at
+    construction — but not a folder a save in flight holds (an eval job staging there)."""
+    root = tmp_path / "ckpt"
+    stale = root / ".spotjob-staging" / "step-000000003-deadbeef" / "rank-0"
+    stale.mkdir(parents=True)
+    (stale / "__0_0.distcp").write_bytes(b"partial")
+    held = root / ".spotjob-staging" / "step-000000004-feedface"
+    held.mkdir()
+    fd = lock_staging_folder(str(held))
+    try:
+        Checkpointer(str(root), keep=None, job="train", async_save=False, staging_dir=str(tmp_path / "nvme")).close()
+    finally:
+        os.close(fd)
+    assert not stale.parent.exists()
+    assert held.exists()
 
 
 @pytest.mark.parametrize("scheme", ["file", "s3"])
