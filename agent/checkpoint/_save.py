@@ -217,30 +217,65 @@ def _keys_differ(keys_by_rank: list[list[str]]) -> list[str]:
 def _writing_failure(e: BaseException, staging: str) -> str:
     """Why writing a rank's files to ``staging`` failed, in words: DCP's ``CheckpointException``
     unwrapped to the error it holds (its repr is a page of stack frames), and a full disk or quota,
-    a disk's I/O error, a read-only or unwritable folder said as such, with where and what to do."""
+    a disk's I/O error, a read-only or unwritable folder said as such, with where and what to do.
+
+    Staged in a filesystem URI's own ``.spotjob-staging`` (the default there), the disk that
+    refused is the checkpoints' own: staging elsewhere would only move the failure to where the
+    files go next, and "keep fewer checkpoints" is offered only while more than one is there."""
+    from agent._layout import STAGING_FOLDER
+
     if isinstance(e, CheckpointException) and e.failures:
         first = next(iter(e.failures.values()))
         e = first[0] if isinstance(first, tuple) else first
     if isinstance(e, DivergentReplicasError):
         return str(e)
+    elsewhere = "(Checkpointer(staging_dir=...) or SPOTJOB_STAGING_DIR)"
+    # The checkpoint folder the default staging folder is in; None for a staging folder of its own
+    # (``staging_dir``, or an object store's in the temp folder: neither is named so).
+    uri_dir: str | None = None
+    parts = os.path.normpath(staging).split(os.sep)
+    if STAGING_FOLDER in parts:
+        uri_dir = os.sep.join(parts[: len(parts) - 1 - parts[::-1].index(STAGING_FOLDER)]) or os.sep
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        where = f"{e.strerror} ({e.filename or staging})"
+        if uri_dir is None:
+            return (
+                f"{where}: the disk of the staging folder {staging} is full or over its quota; free space "
+                f"there, or stage on another disk {elsewhere}"
+            )
+        try:
+            committed = sum(
+                1
+                for d in os.scandir(uri_dir)
+                if d.name.startswith("step-") and os.path.exists(os.path.join(d.path, MANIFEST_NAME))
+            )
+        except OSError:
+            committed = 0
+        fewer = f", keep fewer checkpoints (keep=...; {committed} are there)" if committed > 1 else ""
         return (
-            f"{e.strerror} ({e.filename or staging}): the disk of the staging folder {staging} is full "
-            "or over its quota; free space there, keep fewer checkpoints (keep=...), or stage on another "
-            "disk (Checkpointer(staging_dir=...) or SPOTJOB_STAGING_DIR)"
+            f"{where}: the filesystem of the checkpoint URI {uri_dir} is full or over its quota (saves stage "
+            f"in {staging}, inside it, and link their files into place); free space there{fewer}, or save to "
+            "a URI on a disk with room. Staging elsewhere cannot help: the checkpoint is written to that "
+            "disk all the same"
         )
     if isinstance(e, OSError) and e.errno == errno.EIO:
         return (
             f"{e.strerror} ({e.filename or staging}): the disk of the staging folder {staging} failed to "
             "write or sync this rank's files, so their bytes cannot be trusted and nothing was committed; "
             "the checkpoints committed before are untouched. Check that disk (the kernel log names the "
-            "fault), or stage on another one (Checkpointer(staging_dir=...) or SPOTJOB_STAGING_DIR)"
+            f"fault), or stage on another one {elsewhere}"
         )
     if isinstance(e, OSError) and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
         why = "is on a read-only filesystem" if e.errno == errno.EROFS else "is not writable by this user"
+        if uri_dir is None:
+            return (
+                f"{e.strerror} ({e.filename or staging}): the staging folder {staging} {why}; stage in a "
+                f"folder this process can write {elsewhere}"
+            )
+        fix = "mount it read-write" if e.errno == errno.EROFS else f"give uid {os.geteuid()} write access there"
         return (
-            f"{e.strerror} ({e.filename or staging}): the staging folder {staging} {why}; stage in a "
-            "folder this process can write (Checkpointer(staging_dir=...) or SPOTJOB_STAGING_DIR)"
+            f"{e.strerror} ({e.filename or staging}): the checkpoint URI's folder {uri_dir} {why} (saves stage "
+            f"in {staging}, inside it); {fix}, or save to a URI this process can write"
         )
     return repr(e)
 

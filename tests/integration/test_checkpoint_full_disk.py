@@ -19,6 +19,7 @@ import pytest
 
 from agent.catalog import list_checkpoints
 from agent.checkpoint import Checkpointer, SaveFailedError
+from agent.checkpoint._save import _writing_failure
 from agent.storage import open_storage
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
@@ -106,7 +107,10 @@ def test_a_full_disk_while_staging_fails_the_save_saying_so_and_removes_what_was
     said = str(failed.value)
     # What the disk said, where, and what to do; not DCP's wrapper with a page of stack frames.
     assert "No space left on device" in said and "full or over its quota" in said, said
-    assert str(Path(uri) / ".spotjob-staging") in said and "staging_dir" in said, said
+    # Staged inside the URI: the checkpoints' own disk is full, and staging elsewhere cannot help.
+    assert f"the filesystem of the checkpoint URI {uri} is full" in said, said
+    assert str(Path(uri) / ".spotjob-staging") in said and "SPOTJOB_STAGING_DIR" not in said, said
+    assert "keep fewer" not in said, said  # one checkpoint there: fewer is none
     assert "FrameSummary" not in said and "CheckpointException" not in said, said
     assert files_under(Path(uri) / ".spotjob-staging") == []
     assert not (Path(uri) / "step-000000002").exists()
@@ -139,3 +143,48 @@ def test_a_staging_folder_that_cannot_be_written_fails_the_save_naming_it_and_wh
     assert f"the staging folder {staging}" in message and says in message
     assert "SPOTJOB_STAGING_DIR" in message and "OSError(" not in message
     assert list_checkpoints(open_storage(str(tmp_path / "ckpt"))) == []
+
+
+def committed_steps(uri: Path, steps: list[int]) -> None:
+    for step in steps:
+        (uri / f"step-{step:09d}").mkdir(parents=True)
+        (uri / f"step-{step:09d}" / "MANIFEST.json").write_text("{}")
+
+
+def test_a_full_uri_disk_with_the_default_staging_says_the_uri_is_full_not_to_stage_elsewhere(tmp_path: Path) -> None:
+    """Staged in ``<uri>/.spotjob-staging``, the disk that is full is the checkpoints' own: another
+    staging folder only moves the failure to the upload, and with one checkpoint there (keep=1)
+    keeping fewer frees nothing."""
+    uri = tmp_path / "ckpt"
+    committed_steps(uri, [1])
+    (uri / "step-000000002").mkdir()  # linked in, never committed: not one to keep fewer of
+    staging = uri / ".spotjob-staging" / "step-000000002-0a1b2c3d" / "rank-0"
+    said = _writing_failure(
+        OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(staging / "__0_0.distcp")), str(staging)
+    )
+    assert f"the filesystem of the checkpoint URI {uri} is full or over its quota" in said, said
+    assert f"{staging}/__0_0.distcp" in said and "Staging elsewhere cannot help" in said, said
+    assert "keep fewer" not in said and "SPOTJOB_STAGING_DIR" not in said, said
+
+    committed_steps(uri, [3])  # keep=2: two checkpoints there, one of them can go
+    said = _writing_failure(OSError(errno.EDQUOT, os.strerror(errno.EDQUOT)), str(staging))
+    assert "keep fewer checkpoints (keep=...; 2 are there)" in said, said
+
+
+@pytest.mark.parametrize(("code", "fix"), [(errno.EROFS, "mount it read-write"), (errno.EACCES, "write access")])
+def test_a_read_only_uri_with_the_default_staging_names_the_uri_not_another_staging_folder(
+    tmp_path: Path, code: int, fix: str
+) -> None:
+    staging = tmp_path / "ckpt" / ".spotjob-staging"
+    said = _writing_failure(OSError(code, os.strerror(code), str(staging)), str(staging))
+    assert f"the checkpoint URI's folder {tmp_path / 'ckpt'}" in said and fix in said, said
+    assert "save to a URI this process can write" in said and "SPOTJOB_STAGING_DIR" not in said, said
+
+
+def test_a_full_staging_folder_of_its_own_says_to_stage_elsewhere_not_to_keep_fewer(tmp_path: Path) -> None:
+    """A staging folder of its own (``staging_dir``) holds only the save in flight: retention
+    frees nothing on its disk, another disk does."""
+    staging = tmp_path / "nvme" / "train-0a1b2c3d"
+    said = _writing_failure(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), str(staging))
+    assert f"the disk of the staging folder {staging} is full or over its quota" in said, said
+    assert "stage on another disk" in said and "SPOTJOB_STAGING_DIR" in said and "keep fewer" not in said, said
