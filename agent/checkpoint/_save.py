@@ -22,6 +22,7 @@ from agent import rank_state
 from agent._dcp_plan import DivergentReplicasError, SavePlanCache, dcp_save
 from agent._dcp_write import ChecksummedFile, make_writer, sync_files
 from agent._direct_io import release_buffers
+from agent._layout import STAGING_FOLDER
 from agent._staging import make_stager, stage_state
 from agent.catalog import CheckpointRef, WrittenManifest, find_checkpoints
 from agent.checkpoint import _claim
@@ -222,8 +223,6 @@ def _writing_failure(e: BaseException, staging: str) -> str:
     Staged in a filesystem URI's own ``.spotjob-staging`` (the default there), the disk that
     refused is the checkpoints' own: staging elsewhere would only move the failure to where the
     files go next, and "keep fewer checkpoints" is offered only while more than one is there."""
-    from agent._layout import STAGING_FOLDER
-
     if isinstance(e, CheckpointException) and e.failures:
         first = next(iter(e.failures.values()))
         e = first[0] if isinstance(first, tuple) else first
