@@ -192,6 +192,9 @@ class Reconciler(_Capacity):
         fresh = stored.status is None
         before = stored.status or JobStatus(created_at=now, reason="Created", message="waiting for the first pass")
         if before.phase.terminal:
+            answered = self._answer_ended_request(key, stored, before, now, started)
+            if answered is not None:
+                return answered
             if before.observed_generation is not None and stored.generation != before.observed_generation:
                 return self._note_ended_spec_change(key, stored, before)
             self._tell_state(key, stored, before)  # a new leader exports ended jobs too
@@ -229,6 +232,25 @@ class Reconciler(_Capacity):
         p.status.observed_generation = stored.generation
         self._account(p)
         return self._commit(p, stored, before, fresh, requeue, started)
+
+    def _answer_ended_request(
+        self, key: JobKey, stored: StoredJob, before: JobStatus, now: datetime, started: float
+    ) -> ReconcileResult | None:
+        """A flush request written on a finished job is answered (``Skipped``: no running gang to
+        flush, or ``Invalid``) and told once, like one a Pending job gets: a tool waiting on
+        ``lastFlushRequest`` would otherwise wait for good. None when there is nothing to answer;
+        else the next pass (requeued at once) does the rest of an ended job's pass."""
+        last, rid = before.last_flush_request, stored.flush_request_id
+        if rid is None or (last is not None and last.handled(rid)):
+            return None
+        p = _Pass(key, stored.spec or _PLACEHOLDER_SPEC, before.model_copy(deep=True), now, None, set())
+        p.flush_request, p.flush_request_id = stored.flush_request, rid
+        p.flush_request_problem = stored.flush_request_problem
+        self._note_flush_request(p)
+        if p.status == before:
+            return None  # waits for a request still in progress (ended with the job, on its next pass)
+        result = self._commit(p, stored, before, False, None, started)
+        return ReconcileResult(result.phase, 0.0)
 
     def _note_ended_spec_change(self, key: JobKey, stored: StoredJob, before: JobStatus) -> ReconcileResult:
         """A finished job's spec was edited: nothing runs again, but the status says the new

@@ -365,3 +365,29 @@ def test_a_checkpoint_request_in_progress_when_a_preemption_flushes_the_gang_end
     assert request.step is not None and status.last_checkpoint is not None
     assert request.step <= status.last_checkpoint.step
     assert "FlushRequestNotCommitted" not in w.event_reasons()
+
+
+@pytest.mark.parametrize("ending", ["Succeeded", "Failed"])
+def test_a_request_on_an_ended_job_is_skipped_once_and_says_why(tmp_path: Any, ending: str) -> None:
+    """``spotjob.dev/flush-request`` written on a Succeeded or Failed job got no answer at all: the
+    pass of an ended job returned before any request was looked at, so ``lastFlushRequest`` stayed
+    empty and a tool waiting on it waited for good. Found walking the test cluster."""
+    w, store = request_world(tmp_path, maxRestarts=0)
+    w.run_to(100)
+    w.backend.exit(0, 0, 0 if ending == "Succeeded" else 1)
+    w.backend.exit(0, 1, 0)
+    ended = w.run_until(lambda s: s.phase.terminal)
+    assert ended.phase.value == ending
+    ask(store, "late-1", "restart")
+
+    for _ in range(3):  # the annotation's change, then any later pass (a resync, a new leader)
+        w.reconcile()
+        w.clock.sleep(30)
+    status = w.status
+
+    request = status.last_flush_request
+    assert request is not None and (request.id, request.outcome) == ("late-1", "Skipped")
+    assert f"the job is {ending}: no running gang to flush" in request.message
+    assert w.event_reasons().count("FlushRequestSkipped") == 1, "once, not every pass"
+    assert (status.phase, status.reason) == (ended.phase, ended.reason)
+    assert w.backend.flush_calls == []
