@@ -68,6 +68,7 @@ from orchestrator.model import (
     CapacityType,
     Cause,
     HeldNotice,
+    JobStatus,
     NodeRef,
     Phase,
     RecoveryStatus,
@@ -100,7 +101,6 @@ from orchestrator.reconciler._reasons import (
     FLUSH_FAILED,
     FLUSH_REQUEST_FAILED,
     FLUSH_REQUESTED,
-    FLUSH_REQUESTED_BY_USER,
     FLUSH_TIMED_OUT,
     FLUSH_UNWATCHED,
     FLUSHING,
@@ -333,7 +333,7 @@ class _Recovery(_FlushRequests):
             self._ask_to_flush(p, recovery, running, in_flight_only=True)
             seconds = (p.now - recovery.detected_at).total_seconds()
             # Counted from the request even when a notice overtook it (a preemption after all).
-            since = FLUSH_AFTER_REQUEST if _started_by_request(recovery) else FLUSH_AFTER_NOTICE
+            since = FLUSH_AFTER_REQUEST if _started_by_request(p.status) else FLUSH_AFTER_NOTICE
             after = since.format(seconds=seconds) if _watched(p, recovery) else FLUSH_UNWATCHED
             self._enter_rescheduling(p, FLUSH_COMMITTED, step=step, uri=p.status.last_checkpoint.uri, after=after)
             return None
@@ -404,10 +404,18 @@ class _Recovery(_FlushRequests):
                 known.add(w.node)
                 p.metrics.append(methodcaller("signal", str(s.kind), s.source))
                 if recovery.cause is Cause.REQUESTED:
-                    # A requested flush overtaken by the capacity going away: a preemption after all.
-                    recovery.cause = Cause.PREEMPTION
+                    # A requested flush overtaken by the capacity going away: a preemption after all,
+                    # told as the notice's (on the job and its node), and the restart and the node's
+                    # cool-down are the notice's doing. Its clock still runs from the request
+                    # (``_started_by_request``).
+                    why = NODE_LOST if s.kind is SignalKind.NODE_LOST else SPOT_INTERRUPTED
+                    request = p.status.last_flush_request
+                    during = f" (during flush request {request.id})" if request is not None else ""
+                    message = why.message(signal=s.describe()) + during
+                    recovery.cause, recovery.reason, recovery.message = Cause.PREEMPTION, why.name, message
                     p.status.preemptions += 1
                     p.metrics.append(methodcaller("preemption"))
+                    self._event(p, why, message=message, node=w.node)
 
     def _after_driver_stop(
         self, p: _Pass, reason: str, message: str, since: datetime | None, before: BeforeStop
@@ -549,7 +557,7 @@ class _Recovery(_FlushRequests):
             if (
                 why is FLUSH_COMMITTED
                 and recovery.cause is Cause.PREEMPTION
-                and not _started_by_request(recovery)
+                and not _started_by_request(status)
                 and _watched(p, recovery)
             ):
                 seconds = (p.now - recovery.detected_at).total_seconds()
@@ -782,11 +790,13 @@ def _ranks_said(state: str | None) -> str:
     return _RANKS_SAID.get(state, f"its agent last said its ranks were {state}: they had not taken the flush")
 
 
-def _started_by_request(recovery: RecoveryStatus) -> bool:
+def _started_by_request(status: JobStatus) -> bool:
     """Whether a person's flush request started the recovery (its clock runs from the request), a
     notice that overtook it included: its flush time is not a notice's, in words nor in the
-    notice-to-commit histogram."""
-    return recovery.reason == FLUSH_REQUESTED_BY_USER.name
+    notice-to-commit histogram. The restart request stays in progress until its recovery's flush
+    ends (``_end_requested_flush``); a notice that overtakes it gives the recovery its own reason."""
+    request = status.last_flush_request
+    return request is not None and request.mode == "restart" and request.outcome == "InProgress"
 
 
 def _watched(p: _Pass, recovery: RecoveryStatus) -> bool:

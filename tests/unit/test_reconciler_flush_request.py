@@ -226,6 +226,12 @@ def test_a_notice_during_a_requested_restart_makes_it_a_preemption(tmp_path: Any
 
     assert status.preemptions == 1 and status.restart_history[-1].cause is Cause.PREEMPTION
     assert [a.value for a in status.avoid] == ["n0"], "the node going away is avoided"
+    # Told as a notice is (on the job and its Node), and named for it: not FlushRequestedByUser.
+    [interrupted] = [e for e in w.events.emitted if e.reason == "SpotInterrupted"]
+    assert interrupted.node == "n0" and "during flush request r-1" in interrupted.message
+    restart = status.restart_history[-1]
+    assert restart.reason == "SpotInterrupted" and "during flush request r-1" in restart.message
+    assert [a.reason for a in status.avoid] == ["SpotInterrupted"]
     assert status.last_flush_request is not None and status.last_flush_request.outcome == "Committed"
     [told] = [e for e in w.events.emitted if e.reason == "FlushCommitted"]
     # The time runs from the request: said "25.0s after the notice" of a notice 5 s before the
