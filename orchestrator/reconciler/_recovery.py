@@ -394,7 +394,8 @@ class _Recovery(_FlushRequests):
             self._event(p, FLUSH_REQUESTED, count=len(asked), deadline=deadline, workers=", ".join(asked))
 
     def _note_more_preempted(self, p: _Pass, recovery: RecoveryStatus) -> None:
-        """Notices for other nodes of the gang while it flushes: avoid those nodes too."""
+        """Notices for other nodes of the gang while it flushes: avoid those nodes too, and tell
+        each as the first was (on the job and on its node): the flush under way serves them."""
         known = {n.node for n in recovery.preempted}
         by_node = {w.node: w for w in p.current() if w.node is not None}
         for s in p.signals:
@@ -403,19 +404,18 @@ class _Recovery(_FlushRequests):
                 recovery.preempted += _nodes([w])
                 known.add(w.node)
                 p.metrics.append(methodcaller("signal", str(s.kind), s.source))
+                why = NODE_LOST if s.kind is SignalKind.NODE_LOST else SPOT_INTERRUPTED
+                message = why.message(signal=s.describe())
                 if recovery.cause is Cause.REQUESTED:
                     # A requested flush overtaken by the capacity going away: a preemption after all,
-                    # told as the notice's (on the job and its node), and the restart and the node's
-                    # cool-down are the notice's doing. Its clock still runs from the request
-                    # (``_started_by_request``).
-                    why = NODE_LOST if s.kind is SignalKind.NODE_LOST else SPOT_INTERRUPTED
+                    # and the restart and the node's cool-down are the notice's doing. Its clock
+                    # still runs from the request (``_started_by_request``).
                     request = p.status.last_flush_request
-                    during = f" (during flush request {request.id})" if request is not None else ""
-                    message = why.message(signal=s.describe()) + during
+                    message += f" (during flush request {request.id})" if request is not None else ""
                     recovery.cause, recovery.reason, recovery.message = Cause.PREEMPTION, why.name, message
                     p.status.preemptions += 1
                     p.metrics.append(methodcaller("preemption"))
-                    self._event(p, why, message=message, node=w.node)
+                self._event(p, why, message=message, node=w.node)
 
     def _after_driver_stop(
         self, p: _Pass, reason: str, message: str, since: datetime | None, before: BeforeStop

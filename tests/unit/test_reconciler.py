@@ -267,6 +267,25 @@ def test_flushes_every_agent_when_a_spot_interruption_names_a_node_of_the_job(wo
     assert status.recovery is not None and status.recovery.preempted[0].node == "n0"
 
 
+def test_a_notice_for_another_node_during_the_flush_is_told_on_that_node_too(tmp_path: Any) -> None:
+    """Notices for two nodes of the gang, one pass apart: only the first was told (SpotInterrupted);
+    the second node showed only as an avoided node, on neither the job's Events nor its Node's.
+    Found walking the test cluster."""
+    w = make_world(tmp_path, backend_options={"flush_seconds": 25.0})
+    preempt_running_job(w, node="n0")
+    w.run_until(phase_is(Phase.FLUSHING))
+    w.clock.sleep(5)
+    w.backend.notice("n1")
+
+    status = w.run_until(phase_is(Phase.RESCHEDULING))
+
+    told = [e for e in w.events.emitted if e.reason == "SpotInterrupted"]
+    assert [e.node for e in told] == ["n0", "n1"], "each node's Event names it (and is told on it)"
+    assert "node n1" in told[1].message and "n0" not in told[1].message
+    assert status.preemptions == 1, "one preemption of the gang"
+    assert sorted(a.value for a in status.avoid if a.kind == "node") == ["n0", "n1"]
+
+
 def test_reschedules_once_storage_holds_a_manifest_newer_than_before_the_flush(world: World) -> None:
     world.run_to(60)
     commit_checkpoint(world.storage, 50, world.clock.now())
