@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from agent.checkpoint._claim import LAPSES_AFTER_S
 from agent.checkpoint.config import CheckpointConfig
 from agent.checkpoint.errors import CheckpointError, RestoreError, StorageRefusedError, StorageUnavailableError
 from agent.control_channel import ControlDir, RankStatus
@@ -187,11 +188,15 @@ class _Core:
             if os.path.abspath(default) != os.path.abspath(self._staging_root):
                 roots.append(default)
         for root in roots:
-            self._clean_staging_folder(root)
+            # Whatever saves in the URI's own folder is another process, and on a filesystem whose
+            # locks another machine cannot see (NFS without lock service, a filesystem without
+            # flock) its lock proves nothing: a folder written lately is left for a later start.
+            self._clean_staging_folder(root, quiet_for=None if root == self._staging_root else LAPSES_AFTER_S)
 
     @staticmethod
-    def _clean_staging_folder(root: str) -> None:
-        """Remove the ``step-*`` folders in the staging folder ``root`` that no save holds."""
+    def _clean_staging_folder(root: str, quiet_for: float | None = None) -> None:
+        """Remove the ``step-*`` folders in the staging folder ``root`` that no save holds (and,
+        with ``quiet_for``, where nothing was written for that many seconds)."""
         try:
             entries = list(os.scandir(root))
         except (FileNotFoundError, NotADirectoryError):
@@ -205,6 +210,9 @@ class _Core:
         # removing it would fail that save.
         for entry in entries:
             if entry.is_dir() and entry.name.startswith("step-"):
+                if quiet_for is not None and time.time() - _newest_mtime(entry.path) < quiet_for:
+                    log.debug("keeping a staging folder written in the last %.0f s: %s", quiet_for, entry.path)
+                    continue
                 fd = lock_staging_folder(entry.path, wait=False)
                 if fd is None:
                     log.debug("keeping the staging folder of a save in flight: %s", entry.path)
@@ -263,6 +271,16 @@ class _Core:
 
 STAGING_LOCK = ".lock"
 """The file in a save's staging folder that its lock is taken on (``lock_staging_folder``)."""
+
+
+def _newest_mtime(path: str) -> float:
+    """The newest modification time of the folder ``path`` and of what it holds (0 when unreadable)."""
+    newest = 0.0
+    for folder, _, files in os.walk(path):
+        for name in (folder, *(os.path.join(folder, f) for f in files)):
+            with contextlib.suppress(OSError):
+                newest = max(newest, os.lstat(name).st_mtime)
+    return newest
 
 
 def lock_staging_folder(path: str, *, wait: bool = True) -> int | None:

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -85,7 +86,11 @@ def test_a_stale_default_staging_folder_is_removed_when_the_job_stages_elsewhere
     """A save killed while the job staged beside its checkpoints (no staging folder given) left its
     folder in ``<uri>/.spotjob-staging``; the job then runs with one (spotjob-agent on Kubernetes
     always gives one). The leftover, hard links of a whole checkpoint's files, still goes at
-    construction — but not a folder a save in flight holds (an eval job staging there)."""
+    construction — but not a folder a save in flight holds (an eval job staging there), nor one
+    written in the last 16 minutes, whose lock another machine's save may hold unseen (NFS without
+    lock service)."""
+    from agent.checkpoint._claim import LAPSES_AFTER_S
+
     root = tmp_path / "ckpt"
     stale = root / ".spotjob-staging" / "step-000000003-deadbeef" / "rank-0"
     stale.mkdir(parents=True)
@@ -93,12 +98,20 @@ def test_a_stale_default_staging_folder_is_removed_when_the_job_stages_elsewhere
     held = root / ".spotjob-staging" / "step-000000004-feedface"
     held.mkdir()
     fd = lock_staging_folder(str(held))
+    recent = root / ".spotjob-staging" / "step-000000005-0badf00d" / "rank-0"
+    recent.mkdir(parents=True)
+    (recent / "__0_0.distcp").write_bytes(b"being written")
+    old = time.time() - LAPSES_AFTER_S - 60
+    for path in (stale, stale / "__0_0.distcp", stale.parent, held, held / ".lock"):
+        os.utime(path, (old, old))
+    os.utime(recent.parent, (old, old))  # only its file is new
     try:
         Checkpointer(str(root), keep=None, job="train", async_save=False, staging_dir=str(tmp_path / "nvme")).close()
     finally:
         os.close(fd)
     assert not stale.parent.exists()
     assert held.exists()
+    assert recent.exists()
 
 
 @pytest.mark.parametrize("scheme", ["file", "s3"])
