@@ -1338,16 +1338,20 @@ class _Restoring(_Voting):
         filesystem store's own refusal is the store's)."""
         if self.storage.local_path("") is not None:
             return None
+        root = os.path.realpath(self._staging_root)
         seen: BaseException | None = e
         while seen is not None:  # the OSError itself, or the StorageError it was translated to
-            # Denied is a disk's only with a file named: a socket's connect() is refused so too
-            # (a firewall), and that is the store's to answer.
-            if (
-                isinstance(seen, OSError)
-                and seen.errno in _LOCAL_REFUSALS
-                and (seen.errno not in (errno.EACCES, errno.EPERM) or seen.filename is not None)
-            ):
-                return seen
+            if isinstance(seen, OSError) and seen.errno in _LOCAL_REFUSALS:
+                if seen.filename is not None:
+                    # Only a file of the staging folder: the client's own files (a web-identity
+                    # token, a CA bundle, a credentials cache) are not the staging folder's.
+                    path = os.path.realpath(os.fsdecode(seen.filename))
+                    if os.path.commonpath([path, root]) == root:
+                        return seen
+                elif seen.errno not in (errno.EACCES, errno.EPERM):
+                    # Full or read-only with no file named (a write to an open file); a denied
+                    # connect() names none either, and that is the store's to answer.
+                    return seen
             seen = seen.__cause__
         return None
 

@@ -194,6 +194,24 @@ def test_a_staging_folder_that_refuses_the_download_is_named_and_is_no_infrastru
         assert ckpt.restore(restored) == 1  # the disk has room again
 
 
+def test_a_refusal_naming_a_file_outside_the_staging_folder_is_not_the_staging_folders(
+    fresh_uri: Callable[[str], str], tmp_path: Path
+) -> None:
+    """A client's own file that cannot be read (a web-identity token re-read during a download, a CA
+    bundle) was blamed on the staging folder: a user failure with advice to stage elsewhere,
+    instead of the store's unavailability."""
+    staging = tmp_path / "staging"
+    with Checkpointer(fresh_uri("s3"), staging_dir=str(staging)) as ckpt:
+        token = PermissionError(errno.EACCES, "Permission denied", "/var/run/secrets/eks/token")
+        assert ckpt._staging_disk_error(token) is None
+        sibling = OSError(errno.EROFS, "Read-only file system", f"{ckpt._staging_root}2/x")
+        assert ckpt._staging_disk_error(sibling) is None
+        inside = OSError(errno.EROFS, "Read-only file system", os.path.join(ckpt._staging_root, "restore", "x"))
+        assert ckpt._staging_disk_error(inside) is inside
+        unnamed = OSError(errno.ENOSPC, "No space left on device")
+        assert ckpt._staging_disk_error(unnamed) is unnamed
+
+
 # -- a model that changed -----------------------------------------------------------------------
 
 
