@@ -22,7 +22,6 @@ from agent import rank_state
 from agent._dcp_plan import DivergentReplicasError, SavePlanCache, dcp_save
 from agent._dcp_write import ChecksummedFile, make_writer, sync_files
 from agent._direct_io import release_buffers
-from agent._layout import STAGING_FOLDER
 from agent._staging import make_stager, stage_state
 from agent.catalog import CheckpointRef, WrittenManifest, find_checkpoints
 from agent.checkpoint import _claim
@@ -34,6 +33,7 @@ from agent.crc32c import to_hex
 from agent.dcp_safe import TensorIndexCache, load_dcp_metadata, tensor_index
 from agent.manifest import DCP_METADATA_NAME, MANIFEST_NAME, MAX_MANIFEST_BYTES, FileEntry, Manifest, now_utc
 from agent.ownership import FencedError, describe_job
+from agent.restore_cache import default_staging
 from agent.storage import AlreadyExistsError, PermanentStorageError, RetainedError, StorageError, put_files
 
 log = logging.getLogger("agent.checkpoint")  # one logger for the package, as before it was split
@@ -215,7 +215,7 @@ def _keys_differ(keys_by_rank: list[list[str]]) -> list[str]:
     return []
 
 
-def _writing_failure(e: BaseException, staging: str) -> str:
+def _writing_failure(e: BaseException, staging: str, uri_dir: str | None = None) -> str:
     """Why writing a rank's files to ``staging`` failed, in words: DCP's ``CheckpointException``
     unwrapped to the error it holds (its repr is a page of stack frames), and a full disk or quota,
     a disk's I/O error, a read-only or unwritable folder said as such, with where and what to do.
@@ -229,12 +229,8 @@ def _writing_failure(e: BaseException, staging: str) -> str:
     if isinstance(e, DivergentReplicasError):
         return str(e)
     elsewhere = "(Checkpointer(staging_dir=...) or SPOTJOB_STAGING_DIR)"
-    # The checkpoint folder the default staging folder is in; None for a staging folder of its own
-    # (``staging_dir``, or an object store's in the temp folder: neither is named so).
-    uri_dir: str | None = None
-    parts = os.path.normpath(staging).split(os.sep)
-    if STAGING_FOLDER in parts:
-        uri_dir = os.sep.join(parts[: len(parts) - 1 - parts[::-1].index(STAGING_FOLDER)]) or os.sep
+    # ``uri_dir``: the filesystem store's folder that the staging folder is the default one of;
+    # None for a staging folder of its own (``staging_dir``, or an object store's in the temp folder).
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
         where = f"{e.strerror} ({e.filename or staging})"
         if uri_dir is None:
@@ -509,7 +505,7 @@ class _Saving(_Voting):
             if problem is not None:
                 raise SaveFailedError(
                     f"rank {self.rank}: preparing the checkpoint of step {step} in {self.storage.uri} failed: "
-                    f"{_writing_failure(problem, self._staging_root)}; nothing was written"
+                    f"{_writing_failure(problem, self._staging_root, self._staged_in_uri())}; nothing was written"
                 ) from problem
             raise SaveFailedError(
                 f"rank {failed_rank} could not prepare the checkpoint of step {step} in {self.storage.uri} "
@@ -552,6 +548,15 @@ class _Saving(_Voting):
         if not background:
             self._finish_save(save)
             self.wait()  # a synchronous save reports its failure from the call that made it
+
+    def _staged_in_uri(self) -> str | None:
+        """The filesystem store's folder when saves stage in its own ``.spotjob-staging`` (the
+        default there): then the disk that refuses is the checkpoints' own. None otherwise."""
+        uri_dir = self.storage.local_path("")
+        if uri_dir is None:
+            return None
+        own = os.path.abspath(default_staging(self.storage, self.config.job))
+        return uri_dir if os.path.abspath(self._staging_root) == own else None
 
     @staticmethod
     def _discard_prepared(save: _Save | None) -> None:
@@ -709,7 +714,10 @@ class _Saving(_Voting):
             files = [(n, size, to_hex(crc)) for n, (crc, size) in sorted(written.items())]
         except BaseException as e:  # reported to every rank below, never swallowed
             save.note(e, self.rank)
-            error = f"rank {self.rank}: writing the shards failed: {_writing_failure(e, save.local_dir)}"
+            error = (
+                f"rank {self.rank}: writing the shards failed: "
+                f"{_writing_failure(e, save.local_dir, self._staged_in_uri())}"
+            )
             infra = _is_infrastructure(e)
         if error is None:
             # Every save, on every rank, off the training's path: a checkpoint whose per-rank state

@@ -160,14 +160,14 @@ def test_a_full_uri_disk_with_the_default_staging_says_the_uri_is_full_not_to_st
     (uri / "step-000000002").mkdir()  # linked in, never committed: not one to keep fewer of
     staging = uri / ".spotjob-staging" / "step-000000002-0a1b2c3d" / "rank-0"
     said = _writing_failure(
-        OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(staging / "__0_0.distcp")), str(staging)
+        OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(staging / "__0_0.distcp")), str(staging), str(uri)
     )
     assert f"the filesystem of the checkpoint URI {uri} is full or over its quota" in said, said
     assert f"{staging}/__0_0.distcp" in said and "Staging elsewhere cannot help" in said, said
     assert "keep fewer" not in said and "SPOTJOB_STAGING_DIR" not in said, said
 
     committed_steps(uri, [3])  # keep=2: two checkpoints there, one of them can go
-    said = _writing_failure(OSError(errno.EDQUOT, os.strerror(errno.EDQUOT)), str(staging))
+    said = _writing_failure(OSError(errno.EDQUOT, os.strerror(errno.EDQUOT)), str(staging), str(uri))
     assert "keep fewer checkpoints (keep=...; 2 are there)" in said, said
 
 
@@ -176,9 +176,23 @@ def test_a_read_only_uri_with_the_default_staging_names_the_uri_not_another_stag
     tmp_path: Path, code: int, fix: str
 ) -> None:
     staging = tmp_path / "ckpt" / ".spotjob-staging"
-    said = _writing_failure(OSError(code, os.strerror(code), str(staging)), str(staging))
+    said = _writing_failure(OSError(code, os.strerror(code), str(staging)), str(staging), str(tmp_path / "ckpt"))
     assert f"the checkpoint URI's folder {tmp_path / 'ckpt'}" in said and fix in said, said
     assert "save to a URI this process can write" in said and "SPOTJOB_STAGING_DIR" not in said, said
+
+
+def test_saves_stage_in_the_uri_only_with_a_filesystem_uris_default_staging(tmp_path: Path, fresh_uri: Any) -> None:
+    """Told by the store and its default staging folder, not by a folder's name: an S3 job staging
+    in ``/scratch/.spotjob-staging`` was told its URI's disk was full and that staging elsewhere
+    could not help."""
+    uri = tmp_path / "ckpt"
+    with Checkpointer(str(uri), async_save=False) as ckpt:
+        assert ckpt._staged_in_uri() == str(uri)
+    with Checkpointer(str(uri), async_save=False, staging_dir=str(tmp_path / "nvme")) as ckpt:
+        assert ckpt._staged_in_uri() is None
+    named = tmp_path / "scratch" / ".spotjob-staging"
+    with Checkpointer(fresh_uri("s3"), async_save=False, staging_dir=str(named)) as ckpt:
+        assert ckpt._staged_in_uri() is None
 
 
 def test_a_full_staging_folder_of_its_own_says_to_stage_elsewhere_not_to_keep_fewer(tmp_path: Path) -> None:
