@@ -832,6 +832,7 @@ class _Restoring(_Voting):
     ) -> None:
         self.last_committed_step = manifest.step
         self.last_committed_uri = self.storage.url(ref.folder)
+        self._restored_folders.add(ref.folder)  # its older copies of the step are this run's (retention)
         self._last_saved_step = manifest.step
         self._last_step = manifest.step
         self._status.last_committed_step = manifest.step

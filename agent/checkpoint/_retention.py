@@ -42,16 +42,34 @@ class _Retention(_State):
     _below_said = False
     """(rank 0) A commit below the job's newest checkpoint was looked into (``_say_if_below``)."""
 
-    def _say_if_below(self, committed: CheckpointRef, newer: list[CheckpointRef], lineage: Lineage) -> None:
+    _restored_folders: set[str]
+    """The checkpoint folders this Checkpointer's ``restore()`` loaded (every rank)."""
+
+    def _same_history(self, folder: str) -> bool:
+        """(rank 0) Whether ``folder`` is of this Checkpointer's own history: it restored from it, or
+        committed it itself. Only such a folder's older copy of a step is a duplicate retention may
+        remove (``_retain``); any other is another run's, the job's history as far as it can tell."""
+        return folder in self._restored_folders or folder in self._own_folders
+
+    def _say_if_below(self, committed: CheckpointRef, beside: list[CheckpointRef], lineage: Lineage) -> None:
         """(rank 0, once) This Checkpointer never restored, and the job's newest checkpoint is above
         the one just committed: a restarted script that skipped ``restore()`` trains from scratch,
-        and the next restore loads that newer checkpoint, never this run's progress."""
-        if self._restore_called or self._below_said or not newer:
+        and the next restore loads that newer checkpoint, never this run's progress. Or, with none
+        newer, the job holds a checkpoint of the very step just committed that this Checkpointer
+        did not write (the commit went beside it, ``step-N.1``): the next restore loads this run's
+        copy, the newest of the step, not the job's, which retention keeps."""
+        if self._restore_called or self._below_said:
+            return
+        equal = [r for r in beside if r.step == committed.step and r < committed and not self._same_history(r.folder)]
+        newer = [r for r in beside if committed < r]
+        if not newer and not equal:
             return
         self._below_said = True
-        for ref in newer:  # newest first
+        for ref in [*newer, *equal]:  # newest first
             status = inspect(self.storage, ref, lineage=lineage, report_archived=True)
-            if status.committed and status.valid and not (status.foreign or status.fenced):
+            if not status.committed or not status.valid or status.foreign or status.fenced:
+                continue
+            if committed < ref:
                 log.error(
                     "committed step %d at %s, but the job already has a newer checkpoint, of step %d (%s), and "
                     "this Checkpointer never called restore(): the next restore() loads step %d, not this run's "
@@ -62,7 +80,17 @@ class _Retention(_State):
                     self.storage.url(ref.folder),
                     ref.step,
                 )
-                return
+            else:
+                log.error(
+                    "committed step %d at %s, beside %s, a checkpoint of the same step from another run, and this "
+                    "Checkpointer never called restore(): the next restore() loads this run's copy (the newest of "
+                    "a step's copies), not that one, which retention keeps. To resume from the job's checkpoint, "
+                    "remove this run's copy and call restore(state) before training; to start over, use a new URI",
+                    committed.step,
+                    self.storage.url(committed.folder),
+                    self.storage.url(ref.folder),
+                )
+            return
 
     _twice_said = False
     """(rank 0) Another live process's commit of a step this one committed too was named (``_say_if_twice``)."""
@@ -197,8 +225,14 @@ class _Retention(_State):
             return
 
     def _retain(self, committed: CheckpointRef) -> None:
-        """(rank 0) Keep the newest ``keep`` valid committed checkpoints, one per step (an older
-        copy of a step kept, ``step-N`` beside ``step-N.1``, goes); remove old leftovers.
+        """(rank 0) Keep the newest ``keep`` valid committed checkpoints, counting a step once;
+        remove old leftovers.
+
+        An older copy of a step kept (``step-N`` beside ``step-N.1``) goes when this Checkpointer
+        restored from it or committed it (``_same_history``: the step saved again by the run that
+        resumed from it); any other copy stays with its step, and goes only when the step itself
+        does, older than the ``keep`` newest steps. So a run that never restored removes nothing of
+        the job's history by committing steps the job holds already.
 
         Never touches anything newer than the checkpoint just committed, nor another job's, a
         superseded attempt's, a retired checkpoint or one a newer spotjob wrote (they are not
@@ -212,7 +246,8 @@ class _Retention(_State):
             refs = find_checkpoints(self.storage)
             older = [r for r in refs if r < committed and r.folder not in retired and (swept is None or swept < r)]
             lineage = Lineage.load(self.storage)
-            self._say_if_below(committed, [r for r in refs if committed < r and r.folder not in retired], lineage)
+            beside = [r for r in refs if r != committed and r.step >= committed.step and r.folder not in retired]
+            self._say_if_below(committed, beside, lineage)
             self._say_if_twice(committed, refs)
             listed = {r.folder for r in refs}
             self._writers_of = {f: c for f, c in self._writers_of.items() if f in listed}  # a name reused is new
@@ -274,7 +309,16 @@ class _Retention(_State):
                 # An older copy of a step kept already (``step-N`` beside ``step-N.1``: a script that
                 # saves the step it resumed from, once a restart) is no earlier state to fall back
                 # to: counted, a few restarts left ``keep`` copies of one step and no older one.
-                if kept >= self.config.keep - 1 or (status.valid and ref.step in kept_steps):
+                # Only a copy of this Checkpointer's own history (``_same_history``) is such a copy:
+                # one it neither restored nor committed is another run's (the job's, where this run
+                # never called restore()), and goes only with its step, once ``keep`` newer steps
+                # are kept; removed as a copy, a run that skipped restore() deleted the job's
+                # checkpoints one a save, and left only its own to restore.
+                if status.valid and ref.step in kept_steps:
+                    if self._same_history(ref.folder):
+                        doomed.append((ref, True))
+                    continue  # counted with its step's newest copy
+                if kept >= self.config.keep - 1:
                     doomed.append((ref, True))
                 elif status.valid:
                     kept += 1

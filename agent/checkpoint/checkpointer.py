@@ -296,6 +296,7 @@ class Checkpointer(_Saving, _Restoring):
         self._swept_through = None
         self._refusals_said = set()
         self._own_folders = set()
+        self._restored_folders = set()
         self._checkpointer_id = uuid.uuid4().hex
         _claim.opened(self._checkpointer_id)
         # One never closed stops counting as open once it is collected.

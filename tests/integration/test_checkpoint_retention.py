@@ -69,6 +69,71 @@ def test_copies_of_one_step_from_restart_after_restart_count_once_towards_keep(
     assert all(s.valid for s in found.values())
 
 
+def snapshot_of(uri: str, folder: str) -> bytes:
+    """The manifest of ``folder`` (a filesystem URI): the same bytes, the same checkpoint (it names
+    every file's CRC32C and the time it was committed)."""
+    return (Path(uri) / folder / MANIFEST_NAME).read_bytes()
+
+
+def run_without_restore(uri: str, seed: int, steps: int, staging: str) -> None:
+    """A run of ``steps`` steps, saving every 10, that never calls ``restore()``."""
+    state = make_state(0, seed=seed)
+    with Checkpointer(uri, every_steps=10, async_save=False, staging_dir=staging) as ckpt:
+        for step in range(1, steps + 1):
+            train(state, 1, start=step - 1)
+            ckpt.step(step, state)
+
+
+def test_a_run_that_never_restored_deletes_none_of_the_jobs_checkpoints_of_the_steps_it_commits_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A restarted script that skipped ``restore()`` commits steps 10, 20 and 30 again beside the job's
+    (``step-N.1``), and retention took each of the job's as an older copy of a step it keeps: the job's
+    whole history went, one checkpoint a save, said at INFO only, and the run's untrained state was all
+    a restore could load. Only a copy this Checkpointer restored or committed is such a copy."""
+    uri, staging = str(tmp_path / "ckpt"), str(tmp_path / "staging")
+    run_without_restore(uri, 0, 35, staging)
+    job = {f: snapshot_of(uri, f) for f in ("step-000000010", "step-000000020", "step-000000030")}
+    caplog.set_level("ERROR", logger="agent.checkpoint")
+    run_without_restore(uri, 1, 30, staging)
+    found = {s.ref.folder: s for s in list_checkpoints(open_storage(uri))}
+    assert sorted(found) == sorted([*job, "step-000000010.1", "step-000000020.1", "step-000000030.1"])
+    assert all(s.valid for s in found.values())
+    assert {f: snapshot_of(uri, f) for f in job} == job
+    told = [r.getMessage() for r in caplog.records if "never called restore()" in r.getMessage()]
+    assert len(told) == 1 and "committed step 10" in told[0] and "step 30" in told[0], told
+
+
+def test_a_run_that_never_restored_keeps_the_jobs_checkpoint_of_the_step_it_commits_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The job's newest checkpoint is step 10, and a restarted script that skipped ``restore()``
+    commits step 10 again, as ``step-10.1``: retention removed the job's ``step-10`` at once without
+    a word (no newer step to warn of), even with ``keep=1``. It stays, and the commit is an ERROR;
+    the next restore loads the newest copy of the step, this run's."""
+    uri, staging = str(tmp_path / "ckpt"), str(tmp_path / "staging")
+    run_without_restore(uri, 0, 15, staging)
+    job = snapshot_of(uri, "step-000000010")
+    caplog.set_level("ERROR", logger="agent.checkpoint")
+    state = make_state(0, seed=1)
+    with Checkpointer(uri, every_steps=10, keep=1, async_save=False, staging_dir=staging) as ckpt:
+        for step in range(1, 13):
+            train(state, 1, start=step - 1)
+            ckpt.step(step, state)
+            if step == 10:
+                run = snapshot(state)
+    found = {s.ref.folder: s for s in list_checkpoints(open_storage(uri))}
+    assert sorted(found) == ["step-000000010", "step-000000010.1"]
+    assert snapshot_of(uri, "step-000000010") == job
+    told = [r.getMessage() for r in caplog.records if "never called restore()" in r.getMessage()]
+    assert len(told) == 1, told
+    assert "step-000000010.1" in told[0] and "ckpt/step-000000010, " in told[0] and "same step" in told[0], told
+    restored = make_state(0, seed=2)
+    with Checkpointer(uri, async_save=False, staging_dir=staging) as ckpt:
+        assert ckpt.restore(restored) == 10
+    assert_same(snapshot(restored), run)  # not what README said: "loads [the job's], not this run's progress"
+
+
 def test_steps_past_the_folder_names_nine_digits_are_ordered_by_number_on_every_store(
     storage_uri: str, tmp_path: Path
 ) -> None:
