@@ -65,6 +65,10 @@ _live: set[str] = set()
 """The claims of this process's saves still in flight (a second Checkpointer on the URI here)."""
 _live_lock = threading.Lock()
 
+_commit_locks: dict[str, threading.RLock] = {}
+"""One lock per URI (``commit_lock``), held by this process's Checkpointers while they check that
+nobody committed their step meanwhile and write their manifest."""
+
 _open: set[str] = set()
 """The ids of this process's Checkpointers not closed yet (``Claim.checkpointer``): a folder one of
 them committed is another live writer's to the others."""
@@ -329,6 +333,16 @@ def closed(checkpointer: str) -> None:
     """The Checkpointer with id ``checkpointer`` was closed (or collected unclosed)."""
     with _live_lock:
         _open.discard(checkpointer)
+
+
+def commit_lock(uri: str) -> threading.RLock:
+    """The lock this process's Checkpointers of ``uri`` hold around their last check and their
+    commit: two saving the same step at one moment both passed the check before either manifest
+    was in, and both committed. With it, the second sees the first's manifest and fails. Reentrant:
+    a store that calls back into another Checkpointer's save while committing (as the tests that
+    stand in for another process do) does not wait for itself."""
+    with _live_lock:
+        return _commit_locks.setdefault(uri, threading.RLock())
 
 
 def hold(claim_id: str) -> None:

@@ -42,14 +42,28 @@ class _Retention(_State):
     _below_said = False
     """(rank 0) A commit below the job's newest checkpoint was looked into (``_say_if_below``)."""
 
+    _checkpointer_id: str = ""
+    """This Checkpointer's id, written in its claims (``_claim.Claim.checkpointer``): a step
+    another Checkpointer of this process, not closed yet, committed is not this one's to save again,
+    nor its retention's to remove."""
+
     _restored_folders: set[str]
     """The checkpoint folders this Checkpointer's ``restore()`` loaded (every rank)."""
 
     def _same_history(self, folder: str) -> bool:
         """(rank 0) Whether ``folder`` is of this Checkpointer's own history: it restored from it, or
         committed it itself. Only such a folder's older copy of a step is a duplicate retention may
-        remove (``_retain``); any other is another run's, the job's history as far as it can tell."""
-        return folder in self._restored_folders or folder in self._own_folders
+        remove (``_retain``); any other is another run's, the job's history as far as it can tell.
+        One it restored that another Checkpointer of this process, still open, committed is that
+        one's (one read of its claim, only while another is open)."""
+        if folder in self._own_folders:
+            return True
+        if folder not in self._restored_folders:
+            return False
+        if not _claim.others_open(self._checkpointer_id):
+            return True
+        claim = _claim.read_claim(self.storage, folder)
+        return claim is None or not claim.of_another_open_checkpointer(self._checkpointer_id)
 
     def _say_if_below(self, committed: CheckpointRef, beside: list[CheckpointRef], lineage: Lineage) -> None:
         """(rank 0, once) This Checkpointer never restored, and the job's newest checkpoint is above

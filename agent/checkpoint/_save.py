@@ -310,9 +310,6 @@ class _Saving(_Voting):
     _direct_io: bool
     _plan_cache: SavePlanCache
     _tensor_index: TensorIndexCache
-    _checkpointer_id: str = ""
-    """This Checkpointer's id, written in its claims (``_claim.Claim.checkpointer``): a step
-    another Checkpointer of this process, not closed yet, committed is not this one's to save again."""
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is committed; raise if it failed."""
@@ -1010,11 +1007,17 @@ class _Saving(_Voting):
                 "parameters), give them shorter names, or save from fewer ranks"
             )
         self._check_fence()
-        self._check_still_mine(save, folder)
-        try:
-            self.storage.put_bytes_if_absent(f"{folder}/{MANIFEST_NAME}", data)
-        except AlreadyExistsError:
-            raise SaveFailedError(self._committed_by_another(folder)) from None
+        # The check and the manifest's write as one, for this process's Checkpointers of the URI
+        # (another process's commit of the step meanwhile is told by retention, ``_say_if_twice``).
+        with _claim.commit_lock(self.storage.uri):
+            self._check_still_mine(save, folder)
+            try:
+                self.storage.put_bytes_if_absent(f"{folder}/{MANIFEST_NAME}", data)
+                taken = False
+            except AlreadyExistsError:
+                taken = True
+        if taken:
+            raise SaveFailedError(self._committed_by_another(folder))
         self._hold_written(folder, WrittenManifest.of(data, manifest))
         return self.storage.url(folder)
 

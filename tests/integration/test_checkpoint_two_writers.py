@@ -17,6 +17,7 @@ real torchrun job in processes of its own.
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,48 @@ def test_a_second_checkpointer_saving_a_step_the_first_committed_fails_and_the_f
         reader.save(5, second)
     found = committed_and_whole(storage_uri)
     assert found == {"step-000000005.1": []}, found
+
+
+def test_of_two_checkpointers_committing_one_step_at_the_same_moment_the_second_fails(
+    storage_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two Checkpointers of one process save step 7 at once (each in its own folder, ``step-7`` and
+    ``step-7.1``). Each checked that nobody had committed the step, then wrote its manifest: both
+    passed the check before either manifest was in, both commits landed, and retention removed one
+    copy with an ERROR saying the Checkpointer "never called restore()". Here both are held right
+    after that check, until the other reaches it too (or a while passes: with the check and the
+    commit done under one lock per URI, the other cannot reach it first). The second to commit
+    now fails, naming the first, and one whole copy stays."""
+    real = Checkpointer._check_still_mine
+    met = threading.Barrier(2, timeout=5)
+
+    def held(self: Checkpointer, save: Any, folder: str) -> None:
+        real(self, save, folder)
+        try:
+            met.wait()  # both past the check before either commits, where the check allows it
+        except threading.BrokenBarrierError:
+            pass
+
+    monkeypatch.setattr(Checkpointer, "_check_still_mine", held)
+    first, second = make_state(0), make_state(0, seed=7)
+    train(second, 3)
+    one = Checkpointer(storage_uri, keep=3, job="train")
+    two = Checkpointer(storage_uri, keep=3, job="train")
+    one.save(7, first)
+    two.save(7, second)
+    failures = []
+    for ckpt in (one, two):
+        try:
+            ckpt.wait()
+        except SaveFailedError as e:
+            failures.append(str(e))
+    one.close()
+    two.close()
+    assert len(failures) == 1, failures
+    assert "was committed meanwhile by job 'train' (attempt none" in failures[0], failures
+    assert "Two Checkpointers of this process are saving to this URI" in failures[0], failures
+    found = committed_and_whole(storage_uri)
+    assert len(found) == 1 and list(found.values()) == [[]], found
 
 
 def test_one_writers_retention_leaves_the_other_writers_save_in_flight(storage_uri: str) -> None:
