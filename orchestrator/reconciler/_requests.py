@@ -165,8 +165,8 @@ class _FlushRequests(_Base):
         if p.status.phase is not Phase.RUNNING:
             why = f"the gang stopped ({p.status.reason}) before a checkpoint for it committed"
         elif self._flush_now(p, started) >= timeout_at:
-            newer = f" newer than step {request.baseline_step}" if request.baseline_step is not None else ""
-            why = f"nothing{newer} committed within {p.spec.flush_timeout_seconds:.0f}s"
+            than = f" newer than step {request.baseline_step}" if request.baseline_step is not None else ""
+            why = f"nothing{than} committed within {p.spec.flush_timeout_seconds:.0f}s"
         else:
             return
         message = FLUSH_REQUEST_NOT_COMMITTED.message(id=request.id, mode=mode, why=why)
