@@ -258,7 +258,11 @@ def _writing_failure(e: BaseException, staging: str, uri_dir: str | None = None)
             f"{e.strerror} ({e.filename or staging}): the disk of the staging folder {staging} failed to "
             "write or sync this rank's files, so their bytes cannot be trusted and nothing was committed; "
             "the checkpoints committed before are untouched. Check that disk (the kernel log names the "
-            f"fault), or stage on another one {elsewhere}"
+            + (
+                f"fault), or save to a URI on another disk: the checkpoints of {uri_dir} are on this one too"
+                if uri_dir is not None
+                else f"fault), or stage on another one {elsewhere}"
+            )
         )
     if isinstance(e, OSError) and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
         why = "is on a read-only filesystem" if e.errno == errno.EROFS else "is not writable by this user"

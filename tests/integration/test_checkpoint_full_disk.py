@@ -195,6 +195,17 @@ def test_saves_stage_in_the_uri_only_with_a_filesystem_uris_default_staging(tmp_
         assert ckpt._staged_in_uri() is None
 
 
+def test_an_io_error_of_the_default_staging_in_a_uri_does_not_advise_staging_elsewhere(tmp_path: Path) -> None:
+    """The disk that failed holds the checkpoints too: another staging folder would leave the upload
+    (a link into place) on it. A staging folder of its own still gets that advice."""
+    uri, staging = tmp_path / "ckpt", tmp_path / "ckpt" / ".spotjob-staging" / "step-000000002-0a1b2c3d"
+    said = _writing_failure(OSError(errno.EIO, os.strerror(errno.EIO)), str(staging), str(uri))
+    assert f"save to a URI on another disk: the checkpoints of {uri} are on this one too" in said, said
+    assert "SPOTJOB_STAGING_DIR" not in said, said
+    said = _writing_failure(OSError(errno.EIO, os.strerror(errno.EIO)), str(tmp_path / "nvme"))
+    assert "stage on another one" in said and "SPOTJOB_STAGING_DIR" in said, said
+
+
 def test_a_full_staging_folder_of_its_own_says_to_stage_elsewhere_not_to_keep_fewer(tmp_path: Path) -> None:
     """A staging folder of its own (``staging_dir``) holds only the save in flight: retention
     frees nothing on its disk, another disk does."""
