@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from agent import rank_state
@@ -654,7 +655,17 @@ class _Saving(_Voting):
             save.note(e, self.rank)
             if save.committed_uri is None and save.error is None:
                 save.error = SaveFailedError(f"rank {self.rank}: the save stopped unexpectedly: {e!r}")
-                log.error("checkpoint of step %d failed, nothing committed", save.step, exc_info=e)
+                if self._dist and not (dist.is_available() and dist.is_initialized()):
+                    # Not a fault to trace: the script destroyed the group under the save, which
+                    # close() then says in its error. torch's traceback stays at debug level.
+                    log.error(
+                        "checkpoint of step %d failed, nothing committed: torch.distributed's process group was "
+                        "destroyed while it was in flight (call close() before destroy_process_group())",
+                        save.step,
+                    )
+                    log.debug("the save's failure", exc_info=e)
+                else:
+                    log.error("checkpoint of step %d failed, nothing committed", save.step, exc_info=e)
             elif save.committed_uri is not None:
                 log.warning("after committing step %d: %r", save.step, e, exc_info=e)
             shutil.rmtree(save.local_dir, ignore_errors=True)

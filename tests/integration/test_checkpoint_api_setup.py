@@ -33,22 +33,22 @@ def committed_steps(uri: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def setups(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, str]]:
+def setups(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, str], str]:
     """The ranks' output of both scenarios (run in one torchrun: built-before-init, then
-    destroyed-first) and each scenario's URI, a folder of its own."""
+    destroyed-first), each scenario's URI, a folder of its own, and the ranks' logs."""
     tmp = tmp_path_factory.mktemp("api-setup")
     uris = {scenario: str(tmp / scenario / "ckpt") for scenario in ("built-before-init", "destroyed-first")}
-    out = harness.torchrun(2, SETUP, *(arg for item in uris.items() for arg in item)).stdout
-    return out, uris
+    proc = harness.torchrun(2, SETUP, *(arg for item in uris.items() for arg in item))
+    return proc.stdout, uris, proc.stderr
 
 
 @pytest.mark.slow
 def test_a_checkpointer_built_before_init_process_group_refuses_to_act_as_rank_0_on_every_rank(
-    setups: tuple[str, dict[str, str]],
+    setups: tuple[str, dict[str, str], str],
 ) -> None:
     """Built before the group existed, it took itself for a lone process: every rank saved as
     rank 0 into the same folder, and a restore loaded whichever rank's files were there."""
-    out, uris = setups
+    out, uris, _ = setups
     uri = uris["built-before-init"]
     for rank in (0, 1):
         for call in ("restore", "step", "save"):
@@ -61,10 +61,15 @@ def test_a_checkpointer_built_before_init_process_group_refuses_to_act_as_rank_0
 
 @pytest.mark.slow
 def test_destroying_the_process_group_before_close_is_named_in_the_errors(
-    setups: tuple[str, dict[str, str]],
+    setups: tuple[str, dict[str, str], str],
 ) -> None:
-    out, uris = setups
+    """The save in flight fails on each rank with one line saying why, not torch's 15-line
+    traceback ending in "Group ... is not registered"."""
+    out, uris, logs = setups
     uri = uris["destroyed-first"]
+    told = [line for line in logs.splitlines() if "checkpoint of step 2 failed" in line]
+    assert len(told) == 2 and all("process group was destroyed while it was in flight" in t for t in told), logs
+    assert "is not registered" not in logs, logs
     for rank in (0, 1):
         said = f"destroyed-first rank{rank} step RuntimeError: step(): torch.distributed's process group was destroyed"
         assert said in out, out
