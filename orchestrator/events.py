@@ -319,9 +319,9 @@ class _Events:
     """Recorded Events in the order of their latest occurrence, each repeat counted on its Event."""
 
     def __init__(self) -> None:
-        # By (type, reason, node, identity, first time): a repeat moves its Event to the end.
-        self._events: OrderedDict[tuple[object, ...], RecordedEvent] = OrderedDict()
-        self._latest: dict[tuple[object, ...], datetime] = {}  # identity -> first time of its latest Event
+        # Each Event by the order it was first seen in: a repeat moves its Event to the end.
+        self._events: OrderedDict[int, RecordedEvent] = OrderedDict()
+        self._latest: dict[tuple[object, ...], int] = {}  # (type, reason, node, identity) -> its latest Event
 
     def add_lines(self, lines: list[str]) -> None:
         for line in lines:
@@ -338,19 +338,19 @@ class _Events:
             except (ValueError, KeyError, TypeError):
                 continue
             identity = (event.type, event.reason, event.node, event_identity(event.reason, event.message))
-            first = self._latest.get(identity)
-            last = self._events.get((*identity, first)) if first is not None else None
+            at = self._latest.get(identity)
+            last = self._events.get(at) if at is not None else None
             # A repeat dated before the last (a clock stepped back, a --resume on a machine behind)
             # starts a new Event: merged, its time would come before its firstTime.
-            if last is not None and 0 <= _seconds(event.time, last.time) <= SERIES_WINDOW_SECONDS:
+            if last is not None and at is not None and 0 <= _seconds(event.time, last.time) <= SERIES_WINDOW_SECONDS:
                 # The same fault again: counted on the one Event, which shows the latest words.
-                self._events[(*identity, first)] = RecordedEvent(
+                self._events[at] = RecordedEvent(
                     event.time, last.first_time, last.type, last.reason, event.message, last.node, last.count + 1
                 )
-                self._events.move_to_end((*identity, first))
+                self._events.move_to_end(at)
             else:
-                self._latest[identity] = event.first_time
-                self._events[(*identity, event.first_time)] = event
+                self._latest[identity] = at = len(self._events)  # never removed from: a new number
+                self._events[at] = event
 
     def list(self) -> list[RecordedEvent]:
         return list(self._events.values())
